@@ -1,0 +1,260 @@
+"""The public API (apply / revert / disabled / status / CLI) and what importing torchpatches does."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+import torchpatches
+from torchpatches import _gates
+from torchpatches._declare import Patch, Target
+from torchpatches._registry import PatchState, Registry
+
+SOURCE = """
+def one():
+    return 1
+
+def two():
+    return 2
+"""
+
+
+@pytest.fixture
+def fake(make_module, monkeypatch):
+    """The public API wired to a registry of two patches over a throwaway module."""
+    name = make_module(SOURCE)
+    alias = make_module(f"from {name} import one, two\n")
+    module = importlib.import_module(name)
+    alias_module = importlib.import_module(alias)
+    patches = [
+        Patch(
+            name=f"p_{fn}",
+            summary=fn,
+            targets=(
+                Target(
+                    f"{name}:{fn}",
+                    lambda original: (lambda: original() * 10),
+                    frozenset({_gates.fingerprint(getattr(module, fn))}),
+                    (f"{alias}:{fn}",),
+                ),
+            ),
+        )
+        for fn in ("one", "two")
+    ]
+    registry = Registry(patches)
+    monkeypatch.setattr(torchpatches, "_registry", registry)
+    originals = {fn: getattr(module, fn) for fn in ("one", "two")}
+    return module, alias_module, originals
+
+
+def test_apply_revert_status_round_trip(fake):
+    module, alias_module, originals = fake
+    status = torchpatches.apply()
+    assert {name: entry.state for name, entry in status.items()} == {
+        "p_one": PatchState.APPLIED,
+        "p_two": PatchState.APPLIED,
+    }
+    assert module.one() == 10 and alias_module.two() == 20
+    torchpatches.revert("p_one")
+    assert module.one is originals["one"] and alias_module.one is originals["one"]
+    assert module.two() == 20
+    torchpatches.revert()
+    assert module.two is originals["two"] and alias_module.two is originals["two"]
+
+
+def test_apply_all_respects_the_environment_but_an_explicit_name_wins(fake, monkeypatch):
+    module, _, originals = fake
+    monkeypatch.setenv("TORCHPATCHES_DISABLE", "P_ONE")
+    status = torchpatches.apply()
+    assert status["p_one"].state is PatchState.DISABLED and "TORCHPATCHES_DISABLE" in status["p_one"].reason
+    assert module.one is originals["one"] and module.two() == 20
+    assert torchpatches.apply("p_one")["p_one"].state is PatchState.APPLIED
+
+
+def test_disabled_reverts_inside_and_restores_after_even_on_error(fake):
+    module, _, originals = fake
+    torchpatches.apply()
+    torchpatches.revert("p_two")
+    with pytest.raises(KeyError):
+        with torchpatches.disabled("p_one", "p_two"):
+            assert module.one is originals["one"] and module.two is originals["two"]
+            assert torchpatches.status()["p_one"].state is PatchState.DISABLED
+            raise KeyError("boom")
+    assert module.one() == 10
+    assert module.two is originals["two"], "a patch that was off before the block stays off"
+    assert "revert()" in torchpatches.status()["p_two"].reason
+
+
+def test_disabled_with_no_names_means_all_and_nests(fake):
+    module, _, originals = fake
+    torchpatches.apply()
+    with torchpatches.disabled():
+        with torchpatches.disabled("p_one"):
+            assert module.one is originals["one"]
+        assert module.one is originals["one"] and module.two is originals["two"]
+    assert module.one() == 10 and module.two() == 20
+
+
+def test_unknown_name_raises_value_error_and_changes_nothing(fake):
+    module, _, _ = fake
+    torchpatches.apply()
+    with pytest.raises(ValueError, match="'nope'"):
+        torchpatches.revert(["p_one", "nope"])
+    with pytest.raises(ValueError, match="'nope'"):
+        with torchpatches.disabled("nope"):
+            pass
+    assert module.one() == 10
+
+
+class ApplyRevertMachine(RuleBasedStateMachine):
+    """Any order of apply / revert / disabled keeps originals restorable by identity."""
+
+    def __init__(self, module, alias_module, originals):
+        super().__init__()
+        self.module, self.alias_module, self.originals = module, alias_module, originals
+        torchpatches.revert()
+        self.on = {"p_one": False, "p_two": False}
+
+    names = st.lists(st.sampled_from(["p_one", "p_two"]), min_size=1, max_size=2, unique=True)
+
+    @rule(names=names)
+    def apply(self, names):
+        torchpatches.apply(names)
+        self.on.update({name: True for name in names})
+
+    @rule()
+    def apply_all(self):
+        torchpatches.apply()
+        self.on = {name: True for name in self.on}
+
+    @rule(names=names)
+    def revert(self, names):
+        torchpatches.revert(names)
+        self.on.update({name: False for name in names})
+
+    @rule(names=names)
+    def disabled_block(self, names):
+        with torchpatches.disabled(*names):
+            for name in names:
+                self._check(name, on=False)
+
+    def _check(self, name, on):
+        fn = name[2:]
+        original = self.originals[fn]
+        for module in (self.module, self.alias_module):
+            current = getattr(module, fn)
+            if on:
+                assert current is not original and current() == original() * 10
+            else:
+                assert current is original
+        expected = PatchState.APPLIED if on else PatchState.DISABLED
+        assert torchpatches.status()[name].state is expected
+
+    @invariant()
+    def targets_match_model(self):
+        for name, on in self.on.items():
+            self._check(name, on)
+
+
+def test_any_order_of_operations_restores_originals(fake):
+    run_state_machine_as_test(
+        lambda: ApplyRevertMachine(*fake),
+        settings=settings(max_examples=60, stateful_step_count=20, deadline=None),
+    )
+
+
+# ---- real package, fresh processes ------------------------------------------------------------
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, **env}
+    environment.pop("TORCHPATCHES_DISABLE", None) if "TORCHPATCHES_DISABLE" not in env else None
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environment, timeout=300
+    )
+
+
+def test_import_loads_no_heavy_or_optional_module():
+    result = _python(
+        """
+        import sys
+        import torch
+        before = set(sys.modules)
+        import torchpatches
+        heavy = ["diffusers", "triton", "flashinfer", "torch._inductor.ir", "torch._dynamo"]
+        print([name for name in heavy if name in sys.modules and name not in before])
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_importing_twice_changes_nothing():
+    result = _python(
+        """
+        import importlib, torchpatches
+        first = {name: (s.state, s.reason) for name, s in torchpatches.status().items()}
+        import torchpatches as again
+        torchpatches.apply()
+        second = {name: (s.state, s.reason) for name, s in torchpatches.status().items()}
+        assert again is torchpatches and first == second, (first, second)
+        print("same")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "same"
+
+
+@pytest.mark.parametrize("value", ["all", "ALL", " rope , inductor_realize,compile_warnings "])
+def test_environment_disables_everything_before_it_applies(value):
+    result = _python(
+        "import torchpatches; print({n: s.state.value for n, s in torchpatches.status().items()})",
+        TORCHPATCHES_DISABLE=value,
+    )
+    assert result.returncode == 0, result.stderr
+    assert set(eval(result.stdout).values()) == {"disabled"}
+
+
+@pytest.mark.parametrize("value", ["ropee", "\u00e9\u00e9,;;", "x" * 10000])
+def test_bad_environment_values_warn_and_import(value):
+    result = _python("import torchpatches; print(len(torchpatches.status()))", TORCHPATCHES_DISABLE=value)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(len(torchpatches.patch_names()))
+    assert "unknown patch" in result.stderr and "known patches" in result.stderr
+
+
+def test_cli_prints_the_table_and_json():
+    table = subprocess.run([sys.executable, "-m", "torchpatches"], capture_output=True, text=True, timeout=300)
+    assert table.stdout.splitlines()[0].split() == ["patch", "state", "reason"]
+    for name in torchpatches.patch_names():
+        assert name in table.stdout
+    data = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "torchpatches", "--json"], capture_output=True, text=True, timeout=300
+        ).stdout
+    )
+    assert set(data) == set(torchpatches.patch_names())
+    assert all(entry["state"] != "failed" for entry in data.values()), data
+    assert table.returncode == 0
+
+
+def test_cli_exit_code_is_one_when_a_patch_failed(make_module, monkeypatch, capsys):
+    from torchpatches import __main__ as cli
+
+    module = importlib.import_module(make_module(SOURCE))
+
+    def broken(original):
+        raise RuntimeError("replacement exploded")
+
+    target = Target(f"{module.__name__}:one", broken, frozenset({_gates.fingerprint(module.one)}))
+    monkeypatch.setattr(torchpatches, "_registry", Registry([Patch("p_broken", "x", (target,))]))
+    torchpatches.apply()
+    assert cli.main([]) == 1
+    assert "replacement exploded" in capsys.readouterr().out

@@ -1,0 +1,107 @@
+"""torchpatches: version-gated, fingerprinted, reversible patches for ``torch.compile`` users.
+
+``import torchpatches`` applies every eligible patch once. Patches whose target module is not
+imported yet (Inductor, diffusers) are *pending* and apply when that module is imported.
+
+    torchpatches.status()               # name -> PatchStatus(state, reason); str() is a table
+    torchpatches.revert("rope")         # the original objects are back, by identity
+    torchpatches.apply("rope")          # and on again
+    with torchpatches.disabled("inductor_realize"): ...
+
+``TORCHPATCHES_DISABLE=rope,inductor_realize`` (or ``all``) keeps patches off from the start;
+an explicit ``apply(name)`` still applies a patch the environment disabled.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import traceback
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
+
+from . import _env
+from ._declare import Patch, Target
+from ._registry import PatchState, PatchStatus, Registry, Status, TargetStatus
+from .patches import PATCH_MODULES
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "apply",
+    "revert",
+    "disabled",
+    "status",
+    "patch_names",
+    "Patch",
+    "Target",
+    "PatchState",
+    "PatchStatus",
+    "TargetStatus",
+    "Status",
+]
+
+Names = Union[str, Iterable[str], None]
+
+
+def _load_patches() -> Tuple[List[Patch], Dict[str, str]]:
+    patches: List[Patch] = []
+    errors: Dict[str, str] = {}
+    for module_name in PATCH_MODULES:
+        try:
+            module = importlib.import_module(f"{__name__}.patches.{module_name}")
+            patches.append(module.PATCH)
+        except Exception as error:  # one broken patch file must not take the others down
+            errors[module_name] = "".join(traceback.format_exception_only(type(error), error)).strip()
+    return patches, errors
+
+
+_registry = Registry(*_load_patches())
+
+
+def patch_names() -> Tuple[str, ...]:
+    """Every patch this version of torchpatches knows, in the order they apply."""
+    return _registry.names
+
+
+def apply(name: Names = None) -> Status:
+    """Apply the named patch(es), or with no name every patch TORCHPATCHES_DISABLE does not disable.
+
+    Idempotent. Patches whose target module is not imported yet become pending.
+    Unknown names raise ``ValueError``.
+    """
+    _apply(name)
+    return status()
+
+
+def _apply(name: Names) -> None:
+    if name is None:
+        off = _env.disabled_names(_registry.names)
+        _registry.disable(sorted(off), f"disabled by {_env.ENV_VAR}")
+        _registry.apply([patch for patch in _registry.names if patch not in off])
+    else:
+        _registry.apply(name)
+
+
+def revert(name: Names = None) -> Status:
+    """Put back the original objects (the same objects, ``is``) of the named patch(es), or of all."""
+    _registry.revert(name)
+    return status()
+
+
+@contextlib.contextmanager
+def disabled(*names: str) -> Iterator[None]:
+    """Revert the named patches (all if none named) for the ``with`` block; re-apply those that were on."""
+    chosen = _registry.resolve_names(names or None)
+    were_on = [name for name in chosen if _registry.is_wanted(name)]
+    _registry.revert(were_on, "disabled by torchpatches.disabled()")
+    try:
+        yield
+    finally:
+        _registry.apply(were_on)
+
+
+def status() -> Status:
+    """Each patch's state (applied / skipped / disabled / failed / pending) and the reason."""
+    return _registry.status()
+
+
+_apply(None)  # at import: every eligible patch, without building a status report

@@ -1,0 +1,115 @@
+"""Run callbacks right after a module is imported, without importing anything eagerly.
+
+A finder at the front of ``sys.meta_path`` notices imports of watched module names, asks the
+other finders for the real spec and wraps that spec's loader instance so that, once the module
+body has run, the callbacks fire. The module object, its ``__loader__`` and ``__spec__`` stay
+the genuine ones (only an instance attribute on the loader is added for the duration of the
+import), so ``inspect.getsource`` and ``importlib.resources`` behave as before.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+from typing import Callable, Dict, List, Optional, Sequence
+
+logger = logging.getLogger("torchpatches")
+
+Callback = Callable[[object], None]
+
+__all__ = ["when_imported", "is_imported"]
+
+_lock = threading.RLock()
+_callbacks: Dict[str, List[Callback]] = {}
+_resolving = threading.local()
+
+
+def is_imported(name: str) -> bool:
+    """True when ``name`` is in ``sys.modules`` and its body has finished running."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    spec = getattr(module, "__spec__", None)
+    return not getattr(spec, "_initializing", False)
+
+
+def when_imported(name: str, callback: Callback) -> None:
+    """Call ``callback(module)`` now if ``name`` is imported, else right after it is."""
+    with _lock:
+        if not is_imported(name):
+            _callbacks.setdefault(name, []).append(callback)
+            _install_finder()
+            return
+    _run_callbacks(name, sys.modules[name], [callback])
+
+
+def _install_finder() -> None:
+    if not any(isinstance(finder, _PostImportFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PostImportFinder())
+
+
+def _run_callbacks(name: str, module: object, callbacks: Sequence[Callback]) -> None:
+    for callback in callbacks:
+        try:
+            callback(module)
+        except Exception:  # a patch must never break the user's import
+            logger.exception("torchpatches: post-import callback for %s failed", name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):  # type: ignore[override]
+        with _lock:
+            if fullname not in _callbacks:
+                return None
+        if getattr(_resolving, "active", False):
+            return None
+        spec = self._spec_from_other_finders(fullname, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        _wrap_exec_module(spec.loader, fullname)
+        return spec
+
+    @staticmethod
+    def _spec_from_other_finders(fullname, path, target) -> Optional[importlib.machinery.ModuleSpec]:
+        _resolving.active = True
+        try:
+            for finder in sys.meta_path:
+                if isinstance(finder, _PostImportFinder) or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    return spec
+            return None
+        finally:
+            _resolving.active = False
+
+
+def _wrap_exec_module(loader, fullname: str) -> None:
+    original_exec = loader.exec_module
+    had_instance_attr = "exec_module" in getattr(loader, "__dict__", {})
+
+    def exec_module(module):
+        try:
+            original_exec(module)
+        finally:
+            _unwrap(loader, original_exec, had_instance_attr)
+        with _lock:
+            callbacks = _callbacks.pop(fullname, [])
+        _run_callbacks(fullname, module, callbacks)
+
+    try:
+        loader.exec_module = exec_module
+    except (AttributeError, TypeError):  # loaders with __slots__: leave the import alone
+        logger.debug("torchpatches: cannot hook the loader of %s", fullname)
+
+
+def _unwrap(loader, original_exec, had_instance_attr: bool) -> None:
+    if had_instance_attr:
+        loader.exec_module = original_exec
+    else:
+        try:
+            del loader.exec_module
+        except AttributeError:
+            pass
