@@ -1,14 +1,29 @@
 """What a patch file declares. The registry reads these; patch files hold no state of their own."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
 
 __all__ = ["Patch", "Target"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
+class _Frozen:
+    """Immutable after __init__ (plain classes: dataclasses cost ~10 ms of import time each here)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def _set(self, **fields: Any) -> None:
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__)
+        return f"{type(self).__name__}({fields})"
+
+
+class Target(_Frozen):
     """One object a patch swaps.
 
     ``path`` is ``"module:qualname"``; the qualname may walk into a class
@@ -22,19 +37,24 @@ class Target:
     when their module is imported later.
     """
 
-    path: str
-    make_replacement: Callable[[Any], Any]
-    fingerprints: FrozenSet[str]
-    aliases: Tuple[str, ...] = ()
+    __slots__ = ("path", "make_replacement", "fingerprints", "aliases")
 
-    def __post_init__(self) -> None:
-        if ":" not in self.path:
-            raise ValueError(f"target path {self.path!r} must be 'module:qualname'")
-        for alias in self.aliases:
+    def __init__(
+        self,
+        path: str,
+        make_replacement: Callable[[Any], Any],
+        fingerprints: FrozenSet[str],
+        aliases: Tuple[str, ...] = (),
+    ) -> None:
+        if ":" not in path:
+            raise ValueError(f"target path {path!r} must be 'module:qualname'")
+        for alias in aliases:
             if ":" not in alias or "." in alias.split(":", 1)[1]:
                 raise ValueError(f"alias {alias!r} must be 'module:attribute'")
-        if not self.fingerprints:
-            raise ValueError(f"target {self.path!r} needs at least one verified fingerprint")
+        if not fingerprints:
+            raise ValueError(f"target {path!r} needs at least one verified fingerprint")
+        self._set(path=path, make_replacement=make_replacement, fingerprints=frozenset(fingerprints),
+                  aliases=tuple(aliases))
 
     @property
     def module(self) -> str:
@@ -45,29 +65,33 @@ class Target:
         return self.path.split(":", 1)[1]
 
 
-@dataclasses.dataclass(frozen=True)
-class Patch:
+class Patch(_Frozen):
     """A named, gated, reversible set of targets.
 
-    ``requires`` maps distribution names to ``packaging`` specifiers (``{"torch": ">=2.11,<2.12"}``);
+    ``requires`` maps top-level module names to ``packaging`` specifiers (``{"torch": ">=2.11,<2.12"}``);
     builds are gated by their release number (see :func:`torchpatches._gates.release_version`).
     ``precondition()``, if given, returns None or a sentence saying why the patch must be skipped
-    (it runs after the version gate, when the first target's module is loaded).
+    (it runs after the version gate, each time a target's module has loaded).
     ``inductor_cache_key`` is set by patches that change what Inductor generates without changing
     the FX graph: while they are applied, their name and fingerprint enter Inductor's cache key.
     """
 
-    name: str
-    summary: str
-    targets: Tuple[Target, ...]
-    requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    precondition: Optional[Callable[[], Optional[str]]] = None
-    inductor_cache_key: bool = False
+    __slots__ = ("name", "summary", "targets", "requires", "precondition", "inductor_cache_key")
 
-    def __post_init__(self) -> None:
-        if not self.name.isidentifier() or self.name.lower() != self.name:
-            raise ValueError(f"patch name {self.name!r} must be a lower-case identifier")
-        if self.name == "all":
+    def __init__(
+        self,
+        name: str,
+        summary: str,
+        targets: Tuple[Target, ...],
+        requires: Optional[Mapping[str, str]] = None,
+        precondition: Optional[Callable[[], Optional[str]]] = None,
+        inductor_cache_key: bool = False,
+    ) -> None:
+        if not name.isidentifier() or name.lower() != name:
+            raise ValueError(f"patch name {name!r} must be a lower-case identifier")
+        if name == "all":
             raise ValueError("'all' is reserved for TORCHPATCHES_DISABLE")
-        if not self.targets:
-            raise ValueError(f"patch {self.name!r} has no targets")
+        if not targets:
+            raise ValueError(f"patch {name!r} has no targets")
+        self._set(name=name, summary=summary, targets=tuple(targets), requires=dict(requires or {}),
+                  precondition=precondition, inductor_cache_key=inductor_cache_key)

@@ -1,13 +1,12 @@
 """The registry: applies, reverts and reports patches. Patch files only declare (see _declare)."""
 from __future__ import annotations
 
-import dataclasses
 import enum
 import importlib
 import logging
 import sys
 import threading
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Set, Tuple
 
 from . import _gates
 from ._declare import Patch, Target
@@ -29,15 +28,13 @@ class PatchState(str, enum.Enum):
         return self.value
 
 
-@dataclasses.dataclass(frozen=True)
-class TargetStatus:
+class TargetStatus(NamedTuple):
     path: str
     state: PatchState
     reason: str
 
 
-@dataclasses.dataclass(frozen=True)
-class PatchStatus:
+class PatchStatus(NamedTuple):
     """One patch as ``status()`` reports it: ``state`` and a human ``reason``."""
 
     name: str
@@ -87,32 +84,34 @@ class _TargetState(enum.Enum):
     IDLE = "idle"  # not applied because the patch is not wanted
 
 
-@dataclasses.dataclass
 class _TargetRecord:
-    target: Target
-    state: _TargetState = _TargetState.IDLE
-    reason: str = ""
-    owner: Any = None
-    attribute: str = ""
-    original: Any = None
-    owned_attribute: bool = True  # False when the original was inherited, so revert deletes ours
-    replacement: Any = None
-    token: Optional[str] = None
-    watching: bool = False
-    watched_alias_modules: set = dataclasses.field(default_factory=set)
+    """Mutable bookkeeping for one target (a plain class: dataclasses are slow to create)."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.state = _TargetState.IDLE
+        self.reason = ""
+        self.owner: Any = None
+        self.attribute = ""
+        self.original: Any = None
+        self.owned_attribute = True  # False when the original was inherited, so revert deletes ours
+        self.replacement: Any = None
+        self.token: Optional[str] = None
+        self.watching = False
+        self.watched_alias_modules: Set[str] = set()
 
 
 class _SkipTarget(Exception):
     """The target is not what the patch expects: skip it, with this message as the reason."""
 
 
-@dataclasses.dataclass
 class _Entry:
-    patch: Patch
-    records: List[_TargetRecord]
-    wanted: bool = False
-    off_reason: str = "not applied yet"
-    gate_reason: Optional[str] = None
+    def __init__(self, patch: Patch) -> None:
+        self.patch = patch
+        self.records = [_TargetRecord(target) for target in patch.targets]
+        self.wanted = False
+        self.off_reason = "not applied yet"
+        self.gate_reason: Optional[str] = None
 
 
 _MISSING = object()
@@ -128,7 +127,7 @@ class Registry:
         for patch in patches:
             if patch.name in self._entries or patch.name in self._load_errors:
                 raise ValueError(f"two patches are named {patch.name!r}")
-            self._entries[patch.name] = _Entry(patch, [_TargetRecord(t) for t in patch.targets])
+            self._entries[patch.name] = _Entry(patch)
 
     # ---- public operations ------------------------------------------------------------------
 
