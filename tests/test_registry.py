@@ -333,3 +333,20 @@ def test_threads_applying_and_reverting_leave_a_consistent_state(target):
     assert (module.greet is original) == (state is PatchState.DISABLED)
     registry.revert()
     assert module.greet is original
+
+
+def test_reapplying_reuses_the_same_replacement_object(target):
+    name, fingerprint = target
+    module = importlib.import_module(name)
+    built = []
+
+    def make(original):
+        built.append(original)
+        return _loud(original)
+
+    registry = Registry([_patch(name, fingerprint, make=make)])
+    registry.apply()
+    first = module.greet
+    registry.revert()
+    registry.apply()
+    assert module.greet is first and len(built) == 1

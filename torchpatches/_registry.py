@@ -96,6 +96,7 @@ class _TargetRecord:
         self.original: Any = None
         self.owned_attribute = True  # False when the original was inherited, so revert deletes ours
         self.replacement: Any = None
+        self.built: Tuple[Any, Any] = (_MISSING, None)  # (original, replacement made for it)
         self.token: Optional[str] = None
         self.watching = False
         self.watched_alias_modules: Set[str] = set()
@@ -280,7 +281,7 @@ class Registry:
         record.owned_attribute = own is not _MISSING
 
     def _swap_in(self, entry: _Entry, record: _TargetRecord) -> None:
-        replacement = record.target.make_replacement(record.original)
+        replacement = self._replacement_for(record)
         setattr(record.owner, record.attribute, replacement)
         record.replacement = replacement
         try:
@@ -290,6 +291,16 @@ class Registry:
         except Exception:
             self._swap_out(record)
             raise
+
+    @staticmethod
+    def _replacement_for(record: _TargetRecord) -> Any:
+        """Build the replacement once per original: re-applying then yields the same object, so code
+        compiled while the patch was on stays valid (Dynamo guards on function identity)."""
+        built_for, replacement = record.built
+        if built_for is not record.original:
+            replacement = record.target.make_replacement(record.original)
+            record.built = (record.original, replacement)
+        return replacement
 
     @staticmethod
     def _add_cache_token(entry: _Entry, record: _TargetRecord) -> str:
