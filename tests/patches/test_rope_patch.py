@@ -1,0 +1,402 @@
+"""The ``rope`` patch: diffusers' apply_rotary_emb through the RoPE op for FLUX's call form.
+
+Equivalence on tiny FLUX.1 / FLUX.2 transformers (eager and compiled with fullgraph=True,
+Inductor kernel counts before/after), revert by identity of every alias, and delegation of
+every other call form to the original.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+import torchpatches  # noqa: E402
+from torchpatches import _gates  # noqa: E402
+from torchpatches.patches import rope as rope_patch  # noqa: E402
+
+from diffusers.models import embeddings  # noqa: E402
+
+ALIAS_MODULES = [importlib.import_module(alias.split(":")[0]) for alias in rope_patch.ALIASES]
+TARGET = "diffusers.models.embeddings:apply_rotary_emb"
+
+# bf16/fp16 outputs may differ by one unit in the last place (fp32 rounding order); fp32 by ~1 ulp.
+TOLERANCE = {
+    torch.float32: dict(rtol=1e-6, atol=1e-6),
+    torch.bfloat16: dict(rtol=2**-7, atol=2**-7),
+    torch.float16: dict(rtol=2**-10, atol=2**-10),
+}
+
+
+def original_function() -> Callable[..., torch.Tensor]:
+    with torchpatches.disabled("rope"):
+        return embeddings.apply_rotary_emb
+
+
+@pytest.fixture
+def patched() -> Iterator[Callable[..., torch.Tensor]]:
+    """The patch applied for the test; the state before the test is restored after it."""
+    was_applied = torchpatches.status()["rope"].state.value == "applied"
+    torchpatches.apply("rope")
+    assert torchpatches.status()["rope"].state.value == "applied", str(torchpatches.status()["rope"])
+    try:
+        yield embeddings.apply_rotary_emb
+    finally:
+        if not was_applied:
+            torchpatches.revert("rope")
+
+
+@pytest.fixture
+def op_calls(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[int, ...]]:
+    """Records the shape of every call that reached the op."""
+    calls: List[Tuple[int, ...]] = []
+    real = rope_patch._rotate
+
+    def counting(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return real(x, cos, sin, sequence_dim)
+
+    monkeypatch.setattr(rope_patch, "_rotate", counting)
+    return calls
+
+
+def flux_freqs(tokens: int, head_dim: int, axes: Tuple[int, ...]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin exactly as FluxPosEmbed makes them: fp32 [S, D], each value repeated for a pair."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    ids = torch.randint(0, 32, (tokens, 3)).float()
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=list(axes))(ids)
+    assert cos.shape == (tokens, head_dim) and cos.dtype == torch.float32
+    return cos, sin
+
+
+# ---- declaration and bookkeeping ------------------------------------------------------------
+
+
+def test_importing_the_patch_module_imports_no_diffusers() -> None:
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        import torchpatches.patches.rope as p
+        assert p.PATCH.name == "rope"
+        heavy = [m for m in ("diffusers", "triton", "flashinfer") if m in sys.modules]
+        assert not heavy, heavy
+        """
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fingerprint_is_verified_for_the_installed_diffusers() -> None:
+    target = rope_patch.PATCH.targets[0]
+    assert target.path == TARGET
+    if diffusers.__version__ != "0.42.1":
+        pytest.skip(f"fingerprint verified for diffusers 0.42.1, installed {diffusers.__version__}")
+    assert _gates.fingerprint(original_function()) in target.fingerprints
+
+
+def test_apply_rebinds_every_alias_and_revert_restores_identity(patched: Callable[..., torch.Tensor]) -> None:
+    original = original_function()
+    patched = embeddings.apply_rotary_emb  # disabled() re-applied the patch: a fresh replacement
+    assert patched is not original and patched.__module__ == "torchpatches.patches.rope"
+    assert torchpatches.status()["rope"].state.value == "applied"
+    for module in ALIAS_MODULES:
+        assert module.apply_rotary_emb is patched, module.__name__
+
+    torchpatches.revert("rope")
+    assert torchpatches.status()["rope"].state.value == "disabled"
+    assert embeddings.apply_rotary_emb is original
+    for module in ALIAS_MODULES:
+        assert module.apply_rotary_emb is original, module.__name__
+
+    torchpatches.apply("rope")
+    assert embeddings.apply_rotary_emb is not original
+    with torchpatches.disabled("rope"):
+        assert embeddings.apply_rotary_emb is original
+        assert all(module.apply_rotary_emb is original for module in ALIAS_MODULES)
+    assert embeddings.apply_rotary_emb is not original
+    assert all(module.apply_rotary_emb is embeddings.apply_rotary_emb for module in ALIAS_MODULES)
+
+
+# ---- the function itself ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("sequence_dim", [1, 2])
+def test_flux_form_goes_through_the_op_and_matches(
+    patched: Callable[..., torch.Tensor], op_calls: List[Tuple[int, ...]], dtype: torch.dtype, sequence_dim: int
+) -> None:
+    original = original_function()
+    torch.manual_seed(sequence_dim)
+    tokens, heads, head_dim = 37, 3, 32
+    shape = (2, tokens, heads, head_dim) if sequence_dim == 1 else (2, heads, tokens, head_dim)
+    x = torch.randn(shape, dtype=dtype)
+    x_before = x.clone()
+    freqs = flux_freqs(tokens, head_dim, (8, 12, 12))
+
+    got = patched(x, freqs, sequence_dim=sequence_dim)
+    want = original(x, freqs, sequence_dim=sequence_dim)
+
+    assert op_calls == [shape]
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    assert torch.equal(x, x_before), "the original is out of place; so must the replacement be"
+    assert got.data_ptr() != x.data_ptr()
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+def _non_flux_calls() -> Dict[str, Callable[[Callable[..., torch.Tensor]], torch.Tensor]]:
+    """Call forms FLUX never makes; each must reach the original, unchanged."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 32)  # [B, H, S, D]
+    cos, sin = flux_freqs(16, 32, (8, 12, 12))
+    complex_freqs = torch.polar(torch.ones(16, 16), torch.randn(16, 16))
+    x_grad = x.clone().requires_grad_(True)
+    return {
+        "use_real_false_complex": lambda f: f(x.transpose(1, 2), complex_freqs, use_real=False),
+        "unbind_dim_-2": lambda f: f(x, (cos, sin), use_real_unbind_dim=-2),
+        "broadcast_cos_row": lambda f: f(x, (cos[:1], sin[:1])),
+        "bf16_freqs": lambda f: f(x, (cos.bfloat16(), sin.bfloat16())),
+        "x_3d": lambda f: f(x[0], (cos, sin)),
+        "needs_grad": lambda f: f(x_grad, (cos, sin)),
+        "freqs_three_tensors": lambda f: f(x, (cos, sin, sin)),
+        "sequence_dim_3": lambda f: f(x, (cos, sin), sequence_dim=3),
+        "unbind_dim_0": lambda f: f(x, (cos, sin), use_real_unbind_dim=0),
+    }
+
+
+def _outcome(call: Callable[[Callable[..., torch.Tensor]], torch.Tensor], f: Callable[..., torch.Tensor]) -> Any:
+    """The result, or the exception type and message when the original refuses the call."""
+    try:
+        return call(f)
+    except Exception as error:  # noqa: BLE001 - the replacement must fail exactly like the original
+        return (type(error), str(error))
+
+
+@pytest.mark.parametrize("form", sorted(_non_flux_calls()))
+def test_other_call_forms_go_to_the_original(
+    patched: Callable[..., torch.Tensor], op_calls: List[Tuple[int, ...]], form: str
+) -> None:
+    original = original_function()
+    call = _non_flux_calls()[form]
+    got, want = _outcome(call, patched), _outcome(call, original)
+    assert op_calls == []
+    if isinstance(want, tuple):
+        assert got == want
+    else:
+        assert got.dtype == want.dtype
+        assert torch.equal(got, want)
+
+
+def test_a_call_the_op_refuses_goes_to_the_original(
+    patched: Callable[..., torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
+        raise ValueError("refused")
+
+    monkeypatch.setattr(rope_patch, "_rotate", refuse)
+    x = torch.randn(1, 7, 2, 16, dtype=torch.bfloat16)
+    freqs = flux_freqs(7, 16, (4, 6, 6))
+    assert torch.equal(patched(x, freqs, sequence_dim=1), original_function()(x, freqs, sequence_dim=1))
+
+
+def test_environment_disable_and_modules_imported_after_the_patch() -> None:
+    """TORCHPATCHES_DISABLE=rope leaves diffusers untouched; FLUX modules imported after an apply
+    get the replacement; revert restores every one of them by identity. In a fresh process, so
+    that the FLUX.2 / FLUX.3 modules really are imported late."""
+    code = textwrap.dedent(
+        f"""
+        import importlib, sys, torchpatches
+        import diffusers.models.embeddings as embeddings
+        original = embeddings.apply_rotary_emb
+        assert torchpatches.status()["rope"].state.value == "disabled", torchpatches.status()["rope"]
+        assert original.__module__ == "diffusers.models.embeddings"
+
+        torchpatches.apply("rope")  # an explicit apply still works
+        patched = embeddings.apply_rotary_emb
+        assert patched.__module__ == "torchpatches.patches.rope"
+        late = {[alias.split(":")[0] for alias in rope_patch.ALIASES]!r}
+        assert not any(name in sys.modules for name in late), "must be imported late for this test"
+        late = [importlib.import_module(name) for name in late]
+        assert all(module.apply_rotary_emb is patched for module in late)
+
+        torchpatches.revert("rope")
+        assert embeddings.apply_rotary_emb is original
+        assert all(module.apply_rotary_emb is original for module in late)
+        """
+    )
+    env = dict(os.environ, TORCHPATCHES_DISABLE="rope")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_replacement_keeps_the_original_name_and_doc(patched: Callable[..., torch.Tensor]) -> None:
+    original = original_function()
+    assert patched.__name__ == original.__name__ and patched.__doc__ == original.__doc__
+    assert not hasattr(patched, "__wrapped__")  # the registry fingerprints what is bound, not what it wraps
+
+
+# ---- tiny FLUX models ------------------------------------------------------------------------
+
+FLUX1_CONFIG = dict(
+    patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
+    num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=True,
+    axes_dims_rope=(4, 6, 6),
+)  # fmt: skip
+
+
+def build(cls: Any, dtype: torch.dtype, **config: Any) -> torch.nn.Module:
+    """Random weights created in ``dtype`` directly (casting afterwards makes diffusers warn)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        return cls(**config).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def tiny_flux1(dtype: torch.dtype) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor]]:
+    from diffusers import FluxTransformer2DModel
+
+    model = build(FluxTransformer2DModel, dtype, **FLUX1_CONFIG)
+    side, text = 4, 5
+    rows = torch.arange(float(side))
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), rows, rows, indexing="ij"), -1)
+    inputs = dict(
+        hidden_states=torch.randn(1, side * side, 8, dtype=dtype),
+        encoder_hidden_states=torch.randn(1, text, 16, dtype=dtype),
+        pooled_projections=torch.randn(1, 8, dtype=dtype),
+        timestep=torch.tensor([0.5], dtype=dtype),
+        guidance=torch.tensor([3.5]),
+        img_ids=img_ids.reshape(-1, 3).float(),
+        txt_ids=torch.zeros(text, 3),
+    )
+    return model, inputs
+
+
+def tiny_flux2(dtype: torch.dtype) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor]]:
+    from diffusers import Flux2Transformer2DModel
+
+    model = build(
+        Flux2Transformer2DModel, dtype, patch_size=1, in_channels=8, out_channels=None, num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=16,
+        mlp_ratio=2.0, axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, eps=1e-6,
+    )  # fmt: skip
+    side, text = 4, 5
+    grid = torch.cartesian_prod(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), torch.zeros(1))
+    inputs = dict(
+        hidden_states=torch.randn(1, side * side, 8, dtype=dtype),
+        encoder_hidden_states=torch.randn(1, text, 16, dtype=dtype),
+        timestep=torch.tensor([0.5], dtype=dtype),
+        guidance=torch.tensor([3.5]),
+        img_ids=grid[None].float(),
+        txt_ids=torch.cartesian_prod(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.arange(float(text)))[None],
+    )
+    return model, inputs
+
+
+MODELS = {"flux1": tiny_flux1, "flux2": tiny_flux2}
+
+
+def run_model(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_tiny_flux_eager_matches_and_uses_the_op(
+    patched: Callable[..., torch.Tensor], op_calls: List[Tuple[int, ...]], name: str, dtype: torch.dtype
+) -> None:
+    model, inputs = MODELS[name](dtype)
+    after = run_model(model, inputs)
+    blocks = 2  # one double-stream block (joint q/k) + one single-stream block
+    assert len(op_calls) == 2 * blocks, op_calls  # q and k of each block
+    with torchpatches.disabled("rope"):
+        before = run_model(model, inputs)
+    assert torch.isfinite(before).all()
+    # one ulp of RoPE output, carried through a block or two of bf16 matmuls
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2)
+    torch.testing.assert_close(after, before, **tolerance)
+
+
+# ---- compiled (Inductor on the CPU) -------------------------------------------------------------
+
+_KERNEL = re.compile(r"^(cpp_fused_\w+|triton_\w+) = async_compile\.", re.MULTILINE)
+
+
+def compile_and_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, int, str]:
+    """A fresh fullgraph compile (no FX graph cache); returns output, fused kernel count, generated code.
+
+    Kernels are counted in the generated code (distinct ``cpp_fused_*`` / ``triton_*`` kernel
+    definitions): ``metrics.generated_kernel_count`` counts kernel objects, not fused kernels, on CPU,
+    and ``metrics.num_bytes_accessed`` stays 0 for CPU kernels, so bytes are not asserted here.
+    """
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)
+        out, codes = run_and_get_code(lambda: compiled(**inputs, return_dict=False)[0])
+    code = "\n".join(codes)
+    return out, len(set(_KERNEL.findall(code))), code
+
+
+@contextlib.contextmanager
+def op_kept_under_compile() -> Iterator[None]:
+    """The alternative the patch decided against: the op stays in the graph while compiling."""
+    with torchpatches.disabled("rope"):
+        original = embeddings.apply_rotary_emb
+        replacement = rope_patch.build_replacement(original, op_when_compiling=True)
+        modules = [embeddings] + ALIAS_MODULES
+        for module in modules:
+            module.apply_rotary_emb = replacement
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.apply_rotary_emb = original
+
+
+@pytest.mark.slow
+def test_tiny_flux_compiled_fullgraph_same_kernels_and_outputs(
+    patched: Callable[..., torch.Tensor],
+    op_calls: List[Tuple[int, ...]],
+    record_property: Callable[[str, Any], None],
+) -> None:
+    model, inputs = tiny_flux1(torch.float32)
+    eager = run_model(model, inputs)
+    op_calls.clear()  # the eager run above went through the op; count only what tracing does
+
+    with torchpatches.disabled("rope"):
+        vanilla, vanilla_kernels, _ = compile_and_count(model, inputs)
+    with_patch, patch_kernels, _ = compile_and_count(model, inputs)
+    assert op_calls == [], "under torch.compile the patch must keep diffusers' math"
+    # The alternative, with the Triton tier (on the CPU: an opaque custom op running Triton's
+    # interpreter) so the graph has the same shape as on a GPU: RoPE as a call Inductor cannot fuse.
+    pytest.importorskip("triton")
+    from torchpatches.ops import rope as rope_op
+
+    with op_kept_under_compile(), rope_op.force_tier("triton"):
+        with_op, op_kernels, op_code = compile_and_count(model, inputs)
+    torch._dynamo.reset()
+
+    counts = dict(vanilla=vanilla_kernels, patched=patch_kernels, op_under_compile=op_kernels)
+    record_property("inductor_fused_kernels", counts)
+    print(f"\ninductor fused kernels, tiny FLUX.1, CPU, torch {torch.__version__}: {counts}")
+    # Under compile the patch keeps diffusers' math, so Inductor sees the same graph: same kernels.
+    assert patch_kernels == vanilla_kernels
+    torch.testing.assert_close(with_patch, vanilla, rtol=0, atol=0)
+    torch.testing.assert_close(vanilla, eager, rtol=1e-4, atol=1e-4)
+    # The alternative also compiles with fullgraph=True (the op is a custom op with a fake kernel)
+    # and stays within the op's tolerance; the op call is visible in the generated code.
+    assert len(op_calls) == 4 and "torchpatches.rope_qk_triton" in op_code
+    torch.testing.assert_close(with_op, vanilla, rtol=1e-4, atol=1e-4)
