@@ -1,0 +1,320 @@
+"""compile_warnings: diffusers' forward-time warnings without graph breaks (tiny models, CPU).
+
+The models and argument forms are those of benchmarks/graph_breaks.py (the README table).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import torchpatches  # noqa: E402  (applies the patches)
+from torchpatches.compile import reset_once  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "graph_breaks", Path(__file__).resolve().parents[2] / "benchmarks" / "graph_breaks.py"
+)
+graph_breaks = importlib.util.module_from_spec(_spec)
+sys.modules["graph_breaks"] = graph_breaks  # dataclasses look their module up by name
+_spec.loader.exec_module(graph_breaks)  # type: ignore[union-attr]
+CASES = {(case.model, case.form): case for case in graph_breaks.CASES}
+
+TORCH_2_11 = torch.__version__.startswith("2.11")
+
+#: (model, form) -> (graphs, breaks, fullgraph ok) before the patch, as measured (torch 2.11 and 2.13).
+#: After the patch every row is (1, 0, True).
+BEFORE: Dict[Tuple[str, str], Tuple[int, int, bool]] = {
+    ("flux", "2-D ids"): (1, 0, True),
+    ("flux", "3-D ids"): (3, 2, False),
+    ("flux", "unknown attn kwarg"): (9, 8, False),
+    ("flux", "scale, no PEFT"): (1, 0, False),  # explain under-reports: fullgraph still fails
+    ("flux2", "unknown attn kwarg"): (12, 11, False),
+    ("flux2", "scale, no PEFT"): (1, 0, False),
+    ("sd3", "unknown attn kwarg"): (6, 5, False),
+    ("qwenimage", "scale, no PEFT"): (1, 0, False),
+    ("wan", "scale, no PEFT"): (1, 0, False),
+    ("hunyuanvideo", "scale, no PEFT"): (1, 0, False),
+    ("FeedForward", "scale= (deprecate)"): (1, 0, False),  # explain under-reports here too
+}
+
+FLUX_MODULE = "diffusers.models.transformers.transformer_flux"
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> Iterator[None]:
+    torchpatches.apply("compile_warnings")
+    reset_once()
+    torch._dynamo.reset()
+    yield
+    torchpatches.apply("compile_warnings")
+    torch._dynamo.reset()
+    reset_once()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: List[str] = []
+        self.sites: List[Tuple[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+        self.sites.append((Path(record.pathname).name, record.lineno))
+
+
+@pytest.fixture
+def diffusers_log() -> Iterator[_Records]:
+    """Messages on the 'diffusers' logger tree (diffusers stops propagation at its root logger)."""
+    handler, root = _Records(), logging.getLogger("diffusers")
+    root.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+
+
+def _explain(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Tuple[int, int]:
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        explanation = torch._dynamo.explain(model)(**kwargs)
+    torch._dynamo.reset()
+    return explanation.graph_count, explanation.graph_break_count
+
+
+def _fullgraph_ok(model: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.compile(model, backend="eager", fullgraph=True)(**kwargs)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+    finally:
+        torch._dynamo.reset()
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+# ---- graph breaks, fullgraph, recompiles, outputs -----------------------------------------------
+
+
+@pytest.mark.parametrize("key", sorted(BEFORE), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_graph_breaks_before_and_after(key: Tuple[str, str]) -> None:
+    case = CASES[key]
+    model = case.build()
+    graphs, breaks, fullgraph = BEFORE[key]
+    with torch.no_grad(), graph_breaks.quiet():
+        with torchpatches.disabled("compile_warnings"):
+            assert _explain(model, case.inputs()) == (graphs, breaks)
+            eager_before = _first(model(**case.inputs()))
+            if fullgraph:
+                assert _fullgraph_ok(model, case.inputs())
+        assert _explain(model, case.inputs()) == (1, 0)
+        eager_after = _first(model(**case.inputs()))
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        first = _first(compiled(**case.inputs()))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            second = _first(compiled(**case.inputs()))  # same shapes: no recompile
+    torch.testing.assert_close(eager_after, eager_before, rtol=0, atol=0)
+    torch.testing.assert_close(first, eager_before)
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("key", [("flux", "scale, no PEFT"), ("flux", "3-D ids")], ids=lambda k: k[1])
+def test_fullgraph_fails_before(key: Tuple[str, str]) -> None:
+    case = CASES[key]
+    with torch.no_grad(), graph_breaks.quiet(), torchpatches.disabled("compile_warnings"):
+        assert not _fullgraph_ok(case.build(), case.inputs())
+
+
+def test_attn_checks_flux() -> None:
+    """DIFFUSERS_ATTN_CHECKS=1: torch 2.11 aborts the compile before the patch; both compile after."""
+    case = CASES[("flux", "DIFFUSERS_ATTN_CHECKS=1")]
+    model = case.build()
+    with torch.no_grad(), graph_breaks.quiet(), graph_breaks.attn_checks(True):
+        with torchpatches.disabled("compile_warnings"):
+            expected = _first(model(**case.inputs()))
+            if TORCH_2_11:
+                with pytest.raises(AssertionError):
+                    torch._dynamo.reset()
+                    torch.compile(model, backend="eager", fullgraph=True)(**case.inputs())
+            else:
+                assert _explain(model, case.inputs()) == (1, 0)
+        assert _explain(model, case.inputs()) == (1, 0)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        torch.testing.assert_close(_first(compiled(**case.inputs())), expected)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            compiled(**case.inputs())
+
+
+def test_dispatch_attention_fn_rebound_in_modules_that_import_it() -> None:
+    from diffusers.models import attention_dispatch
+    from diffusers.models.transformers import transformer_flux
+
+    assert transformer_flux.dispatch_attention_fn is attention_dispatch.dispatch_attention_fn
+    patched = attention_dispatch.dispatch_attention_fn
+    with torchpatches.disabled("compile_warnings"):
+        original = attention_dispatch.dispatch_attention_fn
+        assert original is not patched and transformer_flux.dispatch_attention_fn is original
+    assert transformer_flux.dispatch_attention_fn is attention_dispatch.dispatch_attention_fn is not original
+
+
+# ---- the messages -----------------------------------------------------------------------------------
+
+FLUX_3D = [
+    "Passing `txt_ids` 3d torch.Tensor is deprecated.Please remove the batch dimension and pass it as a 2d torch Tensor",
+    "Passing `img_ids` 3d torch.Tensor is deprecated.Please remove the batch dimension and pass it as a 2d torch Tensor",
+]
+FLUX_UNKNOWN = ["joint_attention_kwargs ['foo'] are not expected by FluxAttnProcessor and will be ignored."]
+FLUX_SCALE = ["Passing `scale` via `joint_attention_kwargs` when not using the PEFT backend is ineffective."]
+
+
+#: Where diffusers 0.42.1 calls logger.warning (the records must point there, eager and compiled).
+SITES = {
+    "3-D ids": {("transformer_flux.py", 737), ("transformer_flux.py", 743)},
+    "unknown attn kwarg": {("transformer_flux.py", 351)},
+    "scale, no PEFT": {("peft_utils.py", 313)},
+}
+
+
+@pytest.mark.parametrize(
+    "form, expected",
+    [("3-D ids", FLUX_3D), ("unknown attn kwarg", FLUX_UNKNOWN), ("scale, no PEFT", FLUX_SCALE)],
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flux_messages_once_and_identical(diffusers_log: _Records, form: str, expected: List[str], compiled: bool) -> None:
+    case = CASES[("flux", form)]
+    model = case.build()
+    with torch.no_grad():
+        with torchpatches.disabled("compile_warnings"):
+            model(**case.inputs())
+        original = list(dict.fromkeys(diffusers_log.messages))  # the unpatched text, de-duplicated
+        assert original == expected
+        original_sites = set(diffusers_log.sites)
+        diffusers_log.messages.clear()
+        diffusers_log.sites.clear()
+        run = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+        for _ in range(3):
+            run(**case.inputs())
+    assert diffusers_log.messages == expected  # same text, each once
+    assert set(diffusers_log.sites) == original_sites == SITES[form]  # same file and line
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_deprecate_future_warning_once(compiled: bool) -> None:
+    case = CASES[("FeedForward", "scale= (deprecate)")]
+    model = case.build()
+    run = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            run(**case.inputs())
+    texts = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert texts and set(texts) == {
+        "`scale` is deprecated and will be removed in version 1.0.0. The `scale` argument is deprecated and will be"
+        " ignored. Please remove it, as passing it will raise an error in the future. `scale` should directly be"
+        " passed while calling the underlying pipeline component i.e., via `cross_attention_kwargs`."
+    }
+    if compiled:
+        assert len(texts) == 1  # at trace time, once
+        assert caught[0].filename.endswith("attention.py")  # the traced diffusers line, not Dynamo's
+
+
+# ---- Inductor: nothing changes where nothing broke ---------------------------------------------------
+
+
+def _kernel_count(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Tuple[int, int]:
+    """(fused kernels defined in the generated code, graphs compiled) for one fresh Inductor compile."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with inductor_config.patch(fx_graph_cache=False), torch.no_grad(), graph_breaks.quiet():
+        compiled = torch.compile(model, backend="inductor")
+        _, codes = run_and_get_code(compiled, **kwargs)
+    torch._dynamo.reset()
+    # CPU kernels are C++ functions named cpp_fused_*; GPU ones would be triton_* definitions.
+    kernels = sum(len(set(re.findall(r"\b(?:cpp_fused|triton_\w+?)_\w+\s*=\s*async_compile", code))) for code in codes)
+    return kernels, len(codes)
+
+
+@pytest.mark.slow
+def test_inductor_kernels_equal_with_2d_ids_and_fewer_graphs_with_3d_ids() -> None:
+    model = CASES[("flux", "2-D ids")].build()
+    with torchpatches.disabled("compile_warnings"):
+        before_2d = _kernel_count(model, CASES[("flux", "2-D ids")].inputs())
+        before_3d = _kernel_count(model, CASES[("flux", "3-D ids")].inputs())
+    after_2d = _kernel_count(model, CASES[("flux", "2-D ids")].inputs())
+    after_3d = _kernel_count(model, CASES[("flux", "3-D ids")].inputs())
+    print(f"inductor kernels/graphs: 2-D {before_2d} -> {after_2d}; 3-D {before_3d} -> {after_3d}")
+    assert after_2d == before_2d
+    assert before_2d[1] == 1 and after_3d[1] == 1 and before_3d[1] == 3
+    assert after_3d[0] <= before_3d[0]
+
+
+# ---- revert / disabled: originals by identity ----------------------------------------------------------
+
+
+def _flux_targets() -> List[Tuple[Any, str]]:
+    from diffusers.models.transformers import transformer_flux
+
+    return [(transformer_flux.FluxAttention, "forward"), (transformer_flux.FluxTransformer2DModel, "forward")]
+
+
+def test_revert_and_disabled_restore_originals_by_identity() -> None:
+    import diffusers.models.attention  # noqa: F401 - import every target module
+    from diffusers.models.transformers import transformer_flux
+
+    assert torchpatches.status()["compile_warnings"].state == "applied"
+    patched = [vars(owner)[name] for owner, name in _flux_targets()]
+    torchpatches.revert("compile_warnings")
+    originals = [vars(owner)[name] for owner, name in _flux_targets()]
+    assert torchpatches.status()["compile_warnings"].state == "disabled"
+    assert all(p is not o for p, o in zip(patched, originals))
+    assert originals[0].__code__.co_filename == transformer_flux.__file__
+    assert transformer_flux.FluxAttention.forward.__globals__["logger"] is transformer_flux.logger
+    with torchpatches.disabled("compile_warnings"):
+        assert [vars(o)[n] for o, n in _flux_targets()] == originals
+    torchpatches.apply("compile_warnings")
+    again = [vars(owner)[name] for owner, name in _flux_targets()]
+    assert all(a is not o for a, o in zip(again, originals))
+    with torchpatches.disabled("compile_warnings"):
+        assert all(vars(o)[n] is orig for (o, n), orig in zip(_flux_targets(), originals))
+    assert transformer_flux.logger.__class__ is logging.Logger  # the module's logger was never swapped
+
+
+def test_every_target_applied_on_verified_diffusers() -> None:
+    import diffusers.models.attention  # noqa: F401
+    import diffusers.models.transformers.transformer_flux2  # noqa: F401
+    import diffusers.models.transformers.transformer_hunyuan_video  # noqa: F401
+    import diffusers.models.transformers.transformer_qwenimage  # noqa: F401
+    import diffusers.models.transformers.transformer_sd3  # noqa: F401
+    import diffusers.models.transformers.transformer_wan  # noqa: F401
+
+    status = torchpatches.status()["compile_warnings"]
+    assert status.state == "applied", status.reason
+    assert {t.state for t in status.targets} == {"applied"}, [str(t) for t in status.targets]
+
+
+def test_replacement_reads_other_globals_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another patch (rope) rebinding a FLUX module global is seen by our copies."""
+    from diffusers.models.transformers import transformer_flux
+
+    replaced = transformer_flux.FluxAttention.forward
+    assert replaced.__globals__ is vars(transformer_flux)
+    assert "logger" in replaced.__code__.co_freevars  # the one name we bound
