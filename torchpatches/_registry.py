@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import inspect
 import logging
 import sys
 import threading
@@ -306,7 +307,7 @@ class Registry:
     def _add_cache_token(entry: _Entry, record: _TargetRecord) -> str:
         from . import _cache_key
 
-        token = f"torchpatches:{entry.patch.name}@{_gates.fingerprint(record.original)}"
+        token = cache_token(entry.patch, record.target, _gates.fingerprint(record.original))
         _cache_key.add_token(token)
         return token
 
@@ -406,6 +407,18 @@ class Registry:
         if skipped:
             return PatchState.SKIPPED, "; ".join(r.reason for r in skipped)
         return PatchState.PENDING, "not attempted yet"
+
+
+def cache_token(patch: Patch, target: Target, original_fingerprint: str) -> str:
+    """The text an Inductor patch adds to the compile cache key while it is applied.
+
+    It names the original it replaced and the code of the patch itself (the module that builds
+    the replacement), so neither a different torch nor a newer torchpatches is served artifacts
+    compiled under the other.
+    """
+    patch_module = inspect.getmodule(target.make_replacement)
+    patch_code = _gates.fingerprint(patch_module) if patch_module is not None else "unknown"
+    return f"torchpatches:{patch.name}@{original_fingerprint}.{patch_code}"
 
 
 def _modules_phrase(records: List[_TargetRecord], shown: int = 2) -> str:
