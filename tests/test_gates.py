@@ -60,6 +60,30 @@ def test_fingerprint_follows_source(make_module):
     assert len(_gates.fingerprint(first.f)) == 16
 
 
+def test_fingerprint_of_a_decorated_function_covers_the_wrapper_too(make_module):
+    import importlib
+
+    def decorated(wrapper_body: str) -> str:
+        return (
+            "import functools\n"
+            "def deco(fn):\n"
+            "    @functools.wraps(fn)\n"
+            "    def wrapper(*args):\n"
+            f"        {wrapper_body}\n"
+            "    return wrapper\n"
+            "@deco\n"
+            "def f(x):\n"
+            "    return x + 1\n"
+        )
+
+    plain = importlib.import_module(make_module(decorated("return fn(*args)")))
+    same = importlib.import_module(make_module(decorated("return fn(*args)")))
+    changed_wrapper = importlib.import_module(make_module(decorated("return fn(*args) * 2")))
+    assert _gates.fingerprint(plain.f) == _gates.fingerprint(same.f)
+    assert _gates.fingerprint(plain.f) != _gates.fingerprint(changed_wrapper.f)
+    assert _gates.fingerprint(plain.f) != _gates.fingerprint(plain.f.__wrapped__)
+
+
 def test_fingerprint_of_builtin_raises_type_error():
     with pytest.raises(TypeError):
         _gates.fingerprint(len)

@@ -7,7 +7,7 @@ import importlib.util
 import inspect
 import sys
 import textwrap
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, List, Mapping, Optional
 
 if TYPE_CHECKING:
     from packaging.version import Version
@@ -25,21 +25,33 @@ def fingerprint(obj: Any) -> str:
     """A short, Python-version-independent hash of ``obj``'s source code.
 
     Source rather than bytecode: bytecode changes between CPython minor versions while the
-    code we reviewed does not. Functions wrapped with ``functools.wraps`` are unwrapped one
-    level only if they have no source of their own.
+    code we reviewed does not. A decorated function (``functools.wraps``) is hashed with every
+    layer it wraps, so a change to the decorator's wrapper is caught as well as a change to the
+    function (``inspect.getsource`` alone would follow ``__wrapped__`` and hash only the innermost).
+    Raises ``OSError``/``TypeError`` when no layer has source.
     """
-    target = inspect.unwrap(obj) if not _has_source(obj) else obj
-    target = getattr(target, "__func__", target)  # classmethod / staticmethod objects
-    source = textwrap.dedent(inspect.getsource(target))
-    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+    sources = [source for source in map(_own_source, _wrapped_chain(obj)) if source is not None]
+    if not sources:
+        raise TypeError(f"no source code for {obj!r}")
+    return hashlib.sha256("\n".join(sources).encode("utf-8")).hexdigest()[:16]
 
 
-def _has_source(obj: Any) -> bool:
+def _wrapped_chain(obj: Any) -> List[Any]:
+    chain: List[Any] = []
+    while obj is not None and all(obj is not seen for seen in chain):
+        chain.append(obj)
+        obj = getattr(obj, "__wrapped__", None)
+    return chain
+
+
+def _own_source(obj: Any) -> Optional[str]:
+    """The source of ``obj`` itself, not of what it wraps; None for objects without source (C wrappers)."""
+    obj = getattr(obj, "__func__", obj)  # classmethod / staticmethod / bound method
+    target = getattr(obj, "__code__", obj)
     try:
-        inspect.getsource(getattr(obj, "__func__", obj))
-        return True
+        return textwrap.dedent(inspect.getsource(target))
     except (OSError, TypeError):
-        return False
+        return None
 
 
 def installed_version(module: str) -> Optional[str]:

@@ -180,7 +180,7 @@ PATCH = Patch(
         Target(
             f"{_TRANSFORMERS}.transformer_flux:FluxTransformer2DModel.forward",
             make_replacement=_lora_forward(f"{_TRANSFORMERS}.transformer_flux"),
-            fingerprints=frozenset({"3477c9be1332e167"}),  # diffusers 0.42.1 (source of the wrapped forward)
+            fingerprints=frozenset({"1a7391906fba711b"}),  # diffusers 0.42.1 (@apply_lora_scale wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux2:Flux2Attention.forward",
@@ -195,27 +195,27 @@ PATCH = Patch(
         Target(
             f"{_TRANSFORMERS}.transformer_flux2:Flux2Transformer2DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"ddac2d11c1e85a43"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"cbc1f47e20a2c806"}),  # diffusers 0.42.1 (wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_sd3:SD3Transformer2DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"d344d32d4f59239e"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"d3bb78d8d615204e"}),  # diffusers 0.42.1 (wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_qwenimage:QwenImageTransformer2DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"6a28741e070e09a1"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"4f954edbab4b5b54"}),  # diffusers 0.42.1 (wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_wan:WanTransformer3DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"63d2ad3896ba5f5b"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"8eb2cf7cb3c02083"}),  # diffusers 0.42.1 (wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_hunyuan_video:HunyuanVideoTransformer3DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"be44d5685f660618"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"afe0aaa4cdd988b3"}),  # diffusers 0.42.1 (wrapper + forward)
         ),
         Target(
             "diffusers.models.attention_processor:Attention.forward",
