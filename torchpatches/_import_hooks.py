@@ -5,6 +5,11 @@ other finders for the real spec and wraps that spec's loader instance so that, o
 body has run, the callbacks fire. The module object, its ``__loader__`` and ``__spec__`` stay
 the genuine ones (only an instance attribute on the loader is added for the duration of the
 import), so ``inspect.getsource`` and ``importlib.resources`` behave as before.
+
+Callbacks run in the importing thread, inside the module's import lock, and the registry's
+callbacks take the registry lock. A thread that holds the registry lock and imports that same
+module (only ``make_replacement`` code could) while another thread is importing it could deadlock;
+replacement builders therefore import only their own helper modules, never patch targets.
 """
 from __future__ import annotations
 
