@@ -95,6 +95,7 @@ class _TargetRecord:
         self.owner: Any = None
         self.attribute = ""
         self.original: Any = None
+        self.fingerprint = ""  # of the original, as verified when it was located
         self.owned_attribute = True  # False when the original was inherited, so revert deletes ours
         self.replacement: Any = None
         self.built: Tuple[Any, Any] = (_MISSING, None)  # (original, replacement made for it)
@@ -175,14 +176,6 @@ class Registry:
                 for name, error in self._load_errors.items()
             ]
             return Status([self._status_of(entry) for entry in self._entries.values()] + broken)
-
-    def original(self, name: str, path: str) -> Any:
-        """The object a target held before the patch (for tests and for replacements that delegate)."""
-        with self._lock:
-            for record in self._entries[name].records:
-                if record.target.path == path:
-                    return record.original
-        raise KeyError(path)
 
     # ---- applying ---------------------------------------------------------------------------
 
@@ -279,6 +272,7 @@ class Registry:
                 f"(fingerprint {found}, expected {' or '.join(sorted(record.target.fingerprints))})"
             )
         record.owner, record.attribute, record.original = owner, attribute, original
+        record.fingerprint = found
         record.owned_attribute = own is not _MISSING
 
     def _swap_in(self, entry: _Entry, record: _TargetRecord) -> None:
@@ -307,7 +301,7 @@ class Registry:
     def _add_cache_token(entry: _Entry, record: _TargetRecord) -> str:
         from . import _cache_key
 
-        token = cache_token(entry.patch, record.target, _gates.fingerprint(record.original))
+        token = cache_token(entry.patch, record.target, record.fingerprint)
         _cache_key.add_token(token)
         return token
 
