@@ -15,7 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 import torchpatches
 from torchpatches import _gates
 from torchpatches._declare import Patch, Target
-from torchpatches._registry import PatchState, Registry
+from torchpatches._registry import Registry
+from torchpatches._status import PatchState
 
 SOURCE = """
 def one():

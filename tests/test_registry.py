@@ -10,7 +10,8 @@ import pytest
 
 from torchpatches import _gates
 from torchpatches._declare import Patch, Target
-from torchpatches._registry import PatchState, Registry
+from torchpatches._registry import Registry
+from torchpatches._status import PatchState
 
 TARGET_SOURCE = """
     def greet(name):
@@ -223,6 +224,31 @@ def test_precondition_can_skip(target):
     registry.apply()
     assert registry.status()["loud"].state is PatchState.SKIPPED
     assert registry.status()["loud"].reason == "no GPU here"
+
+
+def test_verified_dependency_gates_the_patch_with_the_targets_wording(make_module, target):
+    name, fingerprint = target
+    module = importlib.import_module(name)
+    helper = make_module("def helper():\n    return 1\n")
+    helper_fingerprint = _fingerprint_of(helper, "helper")
+    verified = Registry([_patch(name, fingerprint, verifies={f"{helper}:helper": {helper_fingerprint}})])
+    verified.apply()
+    assert verified.status()["loud"].state is PatchState.APPLIED
+    verified.revert()
+
+    changed = Registry([_patch(name, fingerprint, verifies={f"{helper}:helper": {"0123456789abcdef"}})])
+    changed.apply()
+    entry = changed.status()["loud"]
+    assert entry.state is PatchState.SKIPPED
+    assert entry.reason == (
+        f"{helper}:helper differs from the verified version(s) "
+        f"(fingerprint {helper_fingerprint}, expected 0123456789abcdef)"
+    )
+    assert module.greet("a") == "hello a"
+    missing = Registry([_patch(name, fingerprint, verifies={f"{helper}:gone": {helper_fingerprint}})])
+    missing.apply()
+    assert missing.status()["loud"].state is PatchState.SKIPPED
+    assert missing.status()["loud"].reason == f"{helper}:gone not found: no attribute 'gone'"
 
 
 def test_a_patch_that_raises_fails_alone_and_leaves_the_original(target, caplog):

@@ -20,7 +20,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import _env
 from ._declare import Patch, Target
-from ._registry import PatchState, PatchStatus, Registry, Status, TargetStatus
+from ._registry import Registry
+from ._status import PatchState, PatchStatus, Status, TargetStatus
 from .patches import PATCH_MODULES
 
 __version__ = "0.1.0.dev0"
@@ -75,7 +76,7 @@ def apply(name: Names = None) -> Status:
 def _apply(name: Names) -> None:
     if name is None:
         off = _env.disabled_names(_registry.names)
-        _registry.disable(sorted(off), f"disabled by {_env.ENV_VAR}")
+        _registry.revert(sorted(off), f"disabled by {_env.ENV_VAR}")
         _registry.apply([patch for patch in _registry.names if patch not in off])
     else:
         _registry.apply(name)

@@ -26,16 +26,35 @@ this torch works that way).
 On a torch without ``cache_key_tag`` (before 2.6) nothing is changed and a warning says that
 patched and unpatched compiles may share cache entries; :func:`is_supported` lets the
 registry decide what to do (no Inductor patch we ship targets such a torch).
+
+A patch's token (:func:`cache_token`) names the patch, the original it replaced and the patch's own
+code; :func:`add_patch_token` is what a target slot calls when it swaps such a patch in, and
+:func:`remove_token` when it swaps it out.
 """
 from __future__ import annotations
 
 import contextvars
+import inspect
 import logging
 import sys
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
-__all__ = ["SEPARATOR", "add_token", "remove_token", "active_tokens", "is_supported", "tag_is_thread_local"]
+from . import _gates
+
+if TYPE_CHECKING:
+    from ._declare import Patch, Target
+
+__all__ = [
+    "SEPARATOR",
+    "cache_token",
+    "add_patch_token",
+    "add_token",
+    "remove_token",
+    "active_tokens",
+    "is_supported",
+    "tag_is_thread_local",
+]
 
 logger = logging.getLogger("torchpatches")
 
@@ -186,3 +205,22 @@ def remove_token(token: str) -> None:
             _set_current_tag(config, _strip_token(current, token))
         _sync_process_wide_layer(config)
         logger.debug("Inductor cache_key_tag is now %r", config.cache_key_tag)
+
+
+def cache_token(patch: "Patch", target: "Target", original_fingerprint: str) -> str:
+    """The text an Inductor patch adds to the compile cache key while it is applied.
+
+    It names the original it replaced and the code of the patch itself (the module that builds
+    the replacement), so neither a different torch nor a newer torchpatches is served artifacts
+    compiled under the other.
+    """
+    patch_module = inspect.getmodule(target.make_replacement)
+    patch_code = _gates.fingerprint(patch_module) if patch_module is not None else "unknown"
+    return f"torchpatches:{patch.name}@{original_fingerprint}.{patch_code}"
+
+
+def add_patch_token(patch: "Patch", target: "Target", original_fingerprint: str) -> str:
+    """Add the token of ``patch`` applied over the original with ``original_fingerprint``; returns it."""
+    token = cache_token(patch, target, original_fingerprint)
+    add_token(token)
+    return token

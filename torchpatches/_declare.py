@@ -70,13 +70,17 @@ class Patch(_Frozen):
 
     ``requires`` maps top-level module names to ``packaging`` specifiers (``{"torch": ">=2.11,<2.12"}``);
     builds are gated by their release number (see :func:`torchpatches._gates.release_version`).
+    ``verifies`` maps ``"module:qualname"`` paths of code the replacements rely on but do not replace
+    (a decorator they rebuild, a helper they call) to the fingerprints it was verified with; any other
+    fingerprint skips the whole patch, with the same wording as a target's. It is checked after the
+    version gate, each time a target's module has loaded.
     ``precondition()``, if given, returns None or a sentence saying why the patch must be skipped
-    (it runs after the version gate, each time a target's module has loaded).
+    (a check that is not a version or a fingerprint; it runs last).
     ``inductor_cache_key`` is set by patches that change what Inductor generates without changing
     the FX graph: while they are applied, their name and fingerprint enter Inductor's cache key.
     """
 
-    __slots__ = ("name", "summary", "targets", "requires", "precondition", "inductor_cache_key")
+    __slots__ = ("name", "summary", "targets", "requires", "verifies", "precondition", "inductor_cache_key")
 
     def __init__(
         self,
@@ -86,6 +90,7 @@ class Patch(_Frozen):
         requires: Optional[Mapping[str, str]] = None,
         precondition: Optional[Callable[[], Optional[str]]] = None,
         inductor_cache_key: bool = False,
+        verifies: Optional[Mapping[str, FrozenSet[str]]] = None,
     ) -> None:
         if not name.isidentifier() or name.lower() != name:
             raise ValueError(f"patch name {name!r} must be a lower-case identifier")
@@ -93,5 +98,11 @@ class Patch(_Frozen):
             raise ValueError("'all' is reserved for TORCHPATCHES_DISABLE")
         if not targets:
             raise ValueError(f"patch {name!r} has no targets")
+        verifies = {path: frozenset(fingerprints) for path, fingerprints in (verifies or {}).items()}
+        for path, fingerprints in verifies.items():
+            if ":" not in path:
+                raise ValueError(f"verified path {path!r} must be 'module:qualname'")
+            if not fingerprints:
+                raise ValueError(f"verified path {path!r} needs at least one fingerprint")
         self._set(name=name, summary=summary, targets=tuple(targets), requires=dict(requires or {}),
-                  precondition=precondition, inductor_cache_key=inductor_cache_key)
+                  verifies=verifies, precondition=precondition, inductor_cache_key=inductor_cache_key)

@@ -25,7 +25,7 @@ import torch
 import torchpatches
 from torchpatches import _cache_key
 from torchpatches._gates import fingerprint, release_version
-from torchpatches._registry import cache_token
+from torchpatches._cache_key import cache_token
 from torchpatches.patches import inductor_realize
 from torchpatches.patches.inductor_realize import (
     FINGERPRINT_TORCH_2_11_0,
@@ -36,7 +36,7 @@ from torchpatches.patches.inductor_realize import (
 
 NAME = "inductor_realize"
 TARGET = "torch._inductor.ir:StorageBox.should_realize_on_reuse"
-# The original's fingerprint and the fingerprint of this patch's own code (see _registry.cache_token).
+# The original's fingerprint and the fingerprint of this patch's own code (see _cache_key.cache_token).
 TOKEN = cache_token(PATCH, PATCH.targets[0], FINGERPRINT_TORCH_2_11_0)
 REPO = Path(__file__).resolve().parents[2]
 

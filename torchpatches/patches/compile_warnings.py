@@ -146,28 +146,6 @@ def _feed_forward(original: Any) -> Any:
     return rebind_globals(original, {"deprecate": compile_safe_deprecate(deprecation_utils.deprecate)})
 
 
-#: Fingerprints of code the replacements rely on but do not replace (checked by ``_precondition``).
-_SHARED_CODE = {
-    # the @apply_lora_scale wrapper (peft_utils.py:305-330), rebuilt for every LoRA forward below
-    "diffusers.utils.peft_utils:apply_lora_scale": frozenset({"775c02085a619be9"}),  # 0.42.1
-    # deprecate() is called by the compile-safe stand-in in eager and reimplemented under compile
-    "diffusers.utils.deprecation_utils:deprecate": frozenset({"0fe3954a5404817c"}),  # 0.42.1
-}
-
-
-def _precondition() -> Optional[str]:
-    import importlib
-
-    from .._gates import fingerprint
-
-    for path, expected in _SHARED_CODE.items():
-        module_name, qualname = path.split(":")
-        found = fingerprint(getattr(importlib.import_module(module_name), qualname))
-        if found not in expected:
-            return f"{path} differs from the verified version (fingerprint {found})"
-    return None
-
-
 PATCH = Patch(
     name="compile_warnings",
     summary="diffusers' forward-time warnings (FLUX.1/.2, SD3, QwenImage, Wan, HunyuanVideo) without graph breaks",
@@ -235,5 +213,10 @@ PATCH = Patch(
         ),
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
-    precondition=_precondition,
+    verifies={  # code the replacements rely on but do not replace
+        # the @apply_lora_scale wrapper (peft_utils.py:305-330), rebuilt for every LoRA forward above
+        "diffusers.utils.peft_utils:apply_lora_scale": frozenset({"775c02085a619be9"}),  # 0.42.1
+        # deprecate() is called by the compile-safe stand-in in eager and reimplemented under compile
+        "diffusers.utils.deprecation_utils:deprecate": frozenset({"0fe3954a5404817c"}),  # 0.42.1
+    },
 )
