@@ -103,6 +103,28 @@ def test_disabled_with_no_names_means_all_and_nests(fake):
     assert module.one() == 10 and module.two() == 20
 
 
+def test_only_turns_exactly_these_on_and_restores_every_state_after(fake, monkeypatch):
+    module, alias_module, originals = fake
+    monkeypatch.setenv("TORCHPATCHES_DISABLE", "p_two")
+    torchpatches.apply()
+    before = {name: (entry.state, entry.reason) for name, entry in torchpatches.status().items()}
+    with pytest.raises(KeyError):
+        with torchpatches.only("p_two"):
+            assert module.one is originals["one"] and alias_module.one is originals["one"]
+            assert module.two() == 20 and alias_module.two() == 20
+            assert torchpatches.status()["p_one"].state is PatchState.DISABLED
+            raise KeyError("boom")
+    assert {name: (entry.state, entry.reason) for name, entry in torchpatches.status().items()} == before
+    assert module.one() == 10 and module.two is originals["two"] and alias_module.two is originals["two"]
+    with torchpatches.only():
+        assert module.one is originals["one"] and module.two is originals["two"]
+    assert module.one() == 10
+    with pytest.raises(ValueError, match="'nope'"):
+        with torchpatches.only("p_one", "nope"):
+            pass
+    assert {name: (entry.state, entry.reason) for name, entry in torchpatches.status().items()} == before
+
+
 def test_unknown_name_raises_value_error_and_changes_nothing(fake):
     module, _, _ = fake
     torchpatches.apply()
@@ -145,6 +167,12 @@ class ApplyRevertMachine(RuleBasedStateMachine):
         with torchpatches.disabled(*names):
             for name in names:
                 self._check(name, on=False)
+
+    @rule(names=names)
+    def only_block(self, names):
+        with torchpatches.only(*names):
+            for name in self.on:
+                self._check(name, on=name in names)
 
     def _check(self, name, on):
         fn = name[2:]

@@ -7,6 +7,7 @@ imported yet (Inductor, diffusers) are *pending* and apply when that module is i
     torchpatches.revert("rope")         # the original objects are back, by identity
     torchpatches.apply("rope")          # and on again
     with torchpatches.disabled("inductor_realize"): ...
+    with torchpatches.only("rope"): ...  # exactly these on inside the block, as before after it
 
 ``TORCHPATCHES_DISABLE=rope,inductor_realize`` (or ``all``) keeps patches off from the start;
 an explicit ``apply(name)`` still applies a patch the environment disabled.
@@ -30,6 +31,7 @@ __all__ = [
     "apply",
     "revert",
     "disabled",
+    "only",
     "status",
     "patch_names",
     "Patch",
@@ -98,6 +100,24 @@ def disabled(*names: str) -> Iterator[None]:
         yield
     finally:
         _registry.apply(were_on)
+
+
+@contextlib.contextmanager
+def only(*names: str) -> Iterator[None]:
+    """Exactly the named patches on inside the ``with`` block (every other one reverted; none named:
+    all off); after it, every patch is on or off as before the block, also on an exception.
+
+    For measuring one patch alone (tests, benchmarks). Unknown names raise ``ValueError`` before
+    anything changes.
+    """
+    chosen = _registry.resolve_names(names)
+    before = _registry.wanted()
+    _registry.revert([name for name in _registry.names if name not in chosen], "disabled by torchpatches.only()")
+    _registry.apply(chosen)
+    try:
+        yield
+    finally:
+        _registry.restore(before)
 
 
 def status() -> Status:

@@ -76,6 +76,21 @@ class Registry:
     def is_wanted(self, name: str) -> bool:
         return self._entries[name].wanted
 
+    def wanted(self) -> Dict[str, Optional[str]]:
+        """Patch name → None if it is wanted on, else the reason it is off (for :meth:`restore`)."""
+        with self._lock:
+            return {name: None if entry.wanted else entry.off_reason for name, entry in self._entries.items()}
+
+    def restore(self, wanted: Mapping[str, Optional[str]]) -> None:
+        """Turn patches on and off as :meth:`wanted` said, with the off-reasons it recorded."""
+        with self._lock:
+            for name, off_reason in wanted.items():
+                entry = self._entries[name]
+                if off_reason is None:
+                    self._apply_entry(entry)
+                elif entry.wanted or entry.off_reason != off_reason:
+                    self._revert_entry(entry, off_reason)
+
     def status(self) -> Status:
         with self._lock:
             broken = [

@@ -7,7 +7,6 @@ the benchmark table and these assertions are about the same programs.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import json
@@ -66,11 +65,9 @@ def only_this_patch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    others = [name for name in torchpatches.patch_names() if name != NAME]
     cache_dir = tmp_path_factory.mktemp("inductor-cache")
-    with torchpatches.disabled(*others) if others else contextlib.nullcontext():
-        with temporary_cache_dir(str(cache_dir)):
-            yield cache_dir
+    with torchpatches.only(NAME), temporary_cache_dir(str(cache_dir)):
+        yield cache_dir
 
 
 @pytest.fixture(scope="module")

@@ -44,15 +44,10 @@ def original_function() -> Callable[..., torch.Tensor]:
 
 @pytest.fixture
 def patched() -> Iterator[Callable[..., torch.Tensor]]:
-    """The patch applied for the test; the state before the test is restored after it."""
-    was_applied = torchpatches.status()["rope"].state.value == "applied"
-    torchpatches.apply("rope")
-    assert torchpatches.status()["rope"].state.value == "applied", str(torchpatches.status()["rope"])
-    try:
+    """The patch applied (alone) for the test; every patch's state before the test is restored after it."""
+    with torchpatches.only("rope"):
+        assert torchpatches.status()["rope"].state.value == "applied", str(torchpatches.status()["rope"])
         yield embeddings.apply_rotary_emb
-    finally:
-        if not was_applied:
-            torchpatches.revert("rope")
 
 
 @pytest.fixture
