@@ -123,28 +123,6 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters
 
 
 @contextlib.contextmanager
-def bound_everywhere(replacement: Callable[..., Any]) -> Iterator[None]:
-    """Bind ``replacement`` where the rope patch would (embeddings + FLUX aliases); restore by identity."""
-    import importlib
-
-    from diffusers.models import embeddings
-
-    from torchpatches.patches import rope as rope_patch
-
-    original = embeddings.apply_rotary_emb
-    modules = [embeddings] + [importlib.import_module(a.split(":")[0]) for a in rope_patch.ALIASES]
-    saved = [module.apply_rotary_emb for module in modules]
-    for module in modules:
-        module.apply_rotary_emb = replacement
-    try:
-        yield
-    finally:
-        for module, value in zip(modules, saved):
-            module.apply_rotary_emb = value
-        assert embeddings.apply_rotary_emb is original
-
-
-@contextlib.contextmanager
 def patch_state(variant: str) -> Iterator[None]:
     """Put torchpatches into the state a variant names; restore the previous state afterwards.
 
@@ -154,8 +132,7 @@ def patch_state(variant: str) -> Iterator[None]:
     op            stock, plus a replacement that keeps the RoPE op even under torch.compile
     """
     import torchpatches
-    from diffusers.models import embeddings
-
+    from torchpatches import testing
     from torchpatches.patches import rope as rope_patch
 
     if variant in ("torchpatches", "qk1"):
@@ -172,8 +149,7 @@ def patch_state(variant: str) -> Iterator[None]:
             finally:
                 torchpatches.revert("rope")
         elif variant == "op":
-            replacement = rope_patch.build_replacement(embeddings.apply_rotary_emb, op_when_compiling=True)
-            with bound_everywhere(replacement):
+            with testing.replacing(rope_patch.PATCH, testing.rope_op_under_compile):
                 yield
         else:
             raise ValueError(f"unknown variant {variant!r}")

@@ -18,8 +18,7 @@ import textwrap
 import types
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-import torch
-
+from ._compat import is_compiling
 from .compile import OnceLogger, warn_once
 
 __all__ = ["rebind_globals", "once_logger_for", "compile_safe_deprecate", "lora_wrapper_replacement"]
@@ -109,7 +108,7 @@ def compile_safe_deprecate(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def deprecate(*args: Any, take_from: Any = None, standard_warn: bool = True, stacklevel: int = 2) -> Any:
-        if take_from is None and _is_compiling():
+        if take_from is None and is_compiling():
             for attribute, version_name, message in _deprecation_tuples(args):
                 _check_not_expired(attribute, version_name, message)
                 warning = f"`{attribute}` is deprecated and will be removed in version {version_name}."
@@ -119,12 +118,7 @@ def compile_safe_deprecate(original: Callable[..., Any]) -> Callable[..., Any]:
             return None
         return original(*args, take_from=take_from, standard_warn=standard_warn, stacklevel=stacklevel + 1)
 
-    deprecate.__torchpatches_original__ = original  # type: ignore[attr-defined]
     return deprecate
-
-
-def _is_compiling() -> bool:
-    return bool(torch.compiler.is_compiling())
 
 
 def _deprecation_tuples(args: tuple) -> tuple:

@@ -28,12 +28,20 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import traceback
-import warnings
-from typing import Any, Callable, Hashable, Optional, Tuple, Type, TypeVar, Union
+from typing import Any, Callable, Optional, Tuple, Type, TypeVar, Union
 
 import torch
+
+from ._compat import (
+    assume_constant,
+    emit_log_once,
+    emit_warning_once,
+    first_time,
+    format_message,
+    is_compiling,
+    reset_once,
+)
 
 __all__ = ["warning_once", "warn_once", "OnceLogger", "constant_query", "reset_once"]
 
@@ -41,40 +49,7 @@ _log = logging.getLogger("torchpatches")
 _F = TypeVar("_F", bound=Callable[..., Any])
 LoggerLike = Union[logging.Logger, "OnceLogger", str]
 
-_seen: set = set()
-_seen_lock = threading.Lock()
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__))
-
-
-def reset_once() -> None:
-    """Forget which messages were emitted (for tests, or to see them again after a config change)."""
-    with _seen_lock:
-        _seen.clear()
-
-
-def _first_time(key: Hashable) -> bool:
-    with _seen_lock:
-        if key in _seen:
-            return False
-        _seen.add(key)
-        return True
-
-
-def _is_compiling() -> bool:
-    # torch.compiler.is_compiling is constant-folded by Dynamo; the fallback covers old builds.
-    check = getattr(torch.compiler, "is_compiling", None)
-    return bool(check()) if check is not None else False
-
-
-def _format(msg: Any, args: Tuple[Any, ...]) -> str:
-    """Logging's formatting rule: ``msg % args`` only when there are args (a bare '%' stays)."""
-    text = str(msg)
-    if args:
-        try:
-            return text % args
-        except (TypeError, ValueError):  # a caller bug must not take the model down
-            return f"{text} {args!r}"
-    return text
 
 
 def _resolve_logger(logger: LoggerLike) -> logging.Logger:
@@ -83,42 +58,6 @@ def _resolve_logger(logger: LoggerLike) -> logging.Logger:
     if isinstance(logger, str):
         return logging.getLogger(logger)
     return logger
-
-
-# ---- eager ------------------------------------------------------------------------------------
-
-
-def _log_now(
-    logger: logging.Logger, level: int, msg: Any, args: Tuple[Any, ...], once: bool,
-    location: Optional[Tuple[str, int, str]] = None, stacklevel: int = 1,
-) -> None:
-    """Emit ``msg % args`` on ``logger`` (checking the level first, as Logger.log does).
-
-    The record carries the caller's ``msg`` and ``args`` unchanged, as the original call would.
-    """
-    if not logger.isEnabledFor(level):
-        return  # not consumed: enabling the logger later shows the message
-    if once and not _first_time(("log", logger.name, level, _format(msg, args))):
-        return
-    if location is None:
-        logger.log(level, msg, *args, stacklevel=stacklevel + 1)
-        return
-    # Under compile the Python stack is Dynamo's; report the traced user line instead.
-    pathname, lineno, func = location
-    logger.handle(logger.makeRecord(logger.name, level, pathname, lineno, msg, args, None, func=func))
-
-
-def _warn_now(
-    text: str, category: Type[Warning], once: bool, location: Optional[Tuple[str, int, str]] = None,
-    stacklevel: int = 1,
-) -> None:
-    if once and not _first_time(("warn", category.__module__, category.__qualname__, text)):
-        return
-    if location is None:
-        warnings.warn(text, category, stacklevel=stacklevel + 1)
-        return
-    pathname, lineno, _ = location
-    warnings.warn_explicit(text, category, pathname, lineno)
 
 
 # ---- trace time ---------------------------------------------------------------------------------
@@ -187,20 +126,17 @@ def _comptime_emit(ctx: Any) -> None:
         target = _python_value(ctx.get_local("target"))
         detail = ctx.get_local("detail").as_python_constant()
         msg = ctx.get_local("msg").as_python_constant()
-        once = ctx.get_local("once").as_python_constant()
         stacklevel = ctx.get_local("stacklevel").as_python_constant()
         location = _user_location(stacklevel)
         if kind == "log":
-            _log_now(_resolve_logger(target), detail, msg, args, once, location)
+            emit_log_once(_resolve_logger(target), detail, msg, args, location)
         else:
-            _warn_now(_format(msg, args), detail, once, location)
+            emit_warning_once(format_message(msg, args), detail, location)
     except Exception:  # noqa: BLE001 - a message must never abort a compile
         _log.debug("torchpatches: could not emit a message at trace time", exc_info=True)
 
 
-def _emit_at_trace_time(
-    kind: str, target: Any, detail: Any, msg: str, args: Tuple[Any, ...], once: bool, stacklevel: int
-) -> None:
+def _emit_at_trace_time(kind: str, target: Any, detail: Any, msg: str, args: Tuple[Any, ...], stacklevel: int) -> None:
     """Traced by Dynamo: runs the emission in comptime callbacks, so the graph gets nothing."""
     # Imported here: torch._dynamo costs seconds to import and is loaded anyway once Dynamo traces.
     from torch._dynamo.comptime import comptime
@@ -222,11 +158,11 @@ def warning_once(
     ``logger`` is a ``logging.Logger``, an :class:`OnceLogger` or a logger name. ``stacklevel`` as
     in ``Logger.log``: 1 reports the line that called this function.
     """
-    if _is_compiling():
+    if is_compiling():
         # The logger is not touched in traced code (Dynamo 2.11 fails even on isinstance(Logger)).
-        _emit_at_trace_time("log", logger, level, msg, args, True, stacklevel)
+        _emit_at_trace_time("log", logger, level, msg, args, stacklevel)
         return
-    _log_now(_resolve_logger(logger), level, msg, args, True, stacklevel=stacklevel + 1)
+    emit_log_once(_resolve_logger(logger), level, msg, args, stacklevel=stacklevel + 1)
 
 
 def warn_once(
@@ -237,10 +173,10 @@ def warn_once(
     ``stacklevel`` as in ``warnings.warn``: 1 is the line calling ``warn_once``, 2 its caller.
     Under compile the warning is attributed to the traced source line (``warnings.warn_explicit``).
     """
-    if _is_compiling():
-        _emit_at_trace_time("warn", None, category, message, args, True, stacklevel)
+    if is_compiling():
+        _emit_at_trace_time("warn", None, category, message, args, stacklevel)
         return
-    _warn_now(_format(message, args), category, True, stacklevel=stacklevel + 1)
+    emit_warning_once(format_message(message, args), category, stacklevel=stacklevel + 1)
 
 
 class OnceLogger:
@@ -265,24 +201,24 @@ class OnceLogger:
         return getattr(self.logger, attribute)
 
     def _always(self, level: int, msg: str, args: Tuple[Any, ...], kwargs: Any) -> None:
-        if _is_compiling():
-            _emit_at_trace_time("log", self.name, level, msg, args, True, 1)
+        if is_compiling():
+            _emit_at_trace_time("log", self.name, level, msg, args, 1)
             return
         kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 2
         self.logger.log(level, msg, *args, **kwargs)
 
     def warning(self, msg: str, *args: Any, **kwargs: Any) -> None:
-        if _is_compiling():
-            _emit_at_trace_time("log", self.name, logging.WARNING, msg, args, True, 1)
+        if is_compiling():
+            _emit_at_trace_time("log", self.name, logging.WARNING, msg, args, 1)
             return
         if kwargs:  # exc_info / extra / stack_info: the logger formats the record itself
-            if self.logger.isEnabledFor(logging.WARNING) and _first_time(
-                ("log", self.name, logging.WARNING, _format(msg, args))
+            if self.logger.isEnabledFor(logging.WARNING) and first_time(
+                ("log", self.name, logging.WARNING, format_message(msg, args))
             ):
                 kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
                 self.logger.warning(msg, *args, **kwargs)
             return
-        _log_now(self.logger, logging.WARNING, msg, args, True, stacklevel=2)
+        emit_log_once(self.logger, logging.WARNING, msg, args, stacklevel=2)
 
     warn = warning
 
@@ -327,4 +263,4 @@ def constant_query(fn: _F) -> _F:
 
     query.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
     query.cache_info = cached.cache_info  # type: ignore[attr-defined]
-    return torch.compiler.assume_constant_result(query)  # type: ignore[return-value]
+    return assume_constant(query)  # type: ignore[return-value]

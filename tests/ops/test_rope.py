@@ -418,13 +418,13 @@ def test_cuda_fallback_warns_once(monkeypatch):
     monkeypatch.setattr(rope, "_flashinfer_rope", lambda: (None, "flashinfer is not installed"))
     monkeypatch.setattr(rope, "_triton_import", lambda: (False, "triton is not installed"))
     with pytest.warns(RuntimeWarning) as rec:
-        assert rope._select_tier("cuda", "auto", True, True) == "torch"
+        assert rope._select_tier("cuda", "auto", True, True) == ("torch", None)
     msgs = [str(w.message) for w in rec]
     assert any("FlashInfer" in m for m in msgs) and any("Triton" in m for m in msgs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert rope._select_tier("cuda", "auto", True, True) == "torch"
-        assert rope._select_tier("cuda", "auto", False, False) == "torch"
+        assert rope._select_tier("cuda", "auto", True, True) == ("torch", None)
+        assert rope._select_tier("cuda", "auto", False, False) == ("torch", None)
 
 
 def test_import_does_not_import_triton_or_flashinfer():
@@ -490,12 +490,12 @@ def fake_flashinfer(monkeypatch):
 def test_flashinfer_is_chosen_on_cuda_when_it_fits(fake_flashinfer):
     assert rope.describe_tiers("cuda")["flashinfer"][0]
     assert not rope.describe_tiers("cpu")["flashinfer"][0]
-    assert rope._select_tier("cuda", "auto", True, True) == "flashinfer"
+    assert rope._select_tier("cuda", "auto", True, True) == ("flashinfer", None)
     # per-token form, or a layout FlashInfer cannot take: the next tier, without a warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert rope._select_tier("cuda", "auto", False, False) in ("triton", "torch")
-        assert rope._select_tier("cuda", "auto", True, False) in ("triton", "torch")
+        assert rope._select_tier("cuda", "auto", False, False) in (("triton", None), ("torch", None))
+        assert rope._select_tier("cuda", "auto", True, False) in (("triton", None), ("torch", None))
 
 
 @pytest.mark.parametrize("layout", ["tok", "bshd-batch-positions", "qkv-slice"])

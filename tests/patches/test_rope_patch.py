@@ -6,7 +6,6 @@ every other call form to the original.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import os
 import re
@@ -21,7 +20,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from torchpatches import _gates  # noqa: E402
+from torchpatches import _gates, testing  # noqa: E402
 from torchpatches.patches import rope as rope_patch  # noqa: E402
 
 from diffusers.models import embeddings  # noqa: E402
@@ -345,22 +344,6 @@ def compile_and_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -
     return out, len(set(_KERNEL.findall(code))), code
 
 
-@contextlib.contextmanager
-def op_kept_under_compile() -> Iterator[None]:
-    """The alternative the patch decided against: the op stays in the graph while compiling."""
-    with torchpatches.disabled("rope"):
-        original = embeddings.apply_rotary_emb
-        replacement = rope_patch.build_replacement(original, op_when_compiling=True)
-        modules = [embeddings] + ALIAS_MODULES
-        for module in modules:
-            module.apply_rotary_emb = replacement
-        try:
-            yield
-        finally:
-            for module in modules:
-                module.apply_rotary_emb = original
-
-
 @pytest.mark.slow
 def test_tiny_flux_compiled_fullgraph_same_kernels_and_outputs(
     patched: Callable[..., torch.Tensor],
@@ -380,7 +363,9 @@ def test_tiny_flux_compiled_fullgraph_same_kernels_and_outputs(
     pytest.importorskip("triton")
     from torchpatches.ops import rope as rope_op
 
-    with op_kept_under_compile(), rope_op.force_tier("triton"):
+    # The alternative the patch decided against: the op stays in the graph while compiling.
+    op_kept_under_compile = testing.replacing(rope_patch.PATCH, testing.rope_op_under_compile)
+    with torchpatches.disabled("rope"), op_kept_under_compile, rope_op.force_tier("triton"):
         with_op, op_kernels, op_code = compile_and_count(model, inputs)
     torch._dynamo.reset()
 

@@ -45,11 +45,11 @@ import importlib
 import importlib.util
 import logging
 import os
-import sys
-import warnings
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
+
+from .._compat import assume_constant, emit_log_once, emit_warning_once, is_compiling, reset_once
 
 __all__ = [
     "apply_rope_qk_inplace",
@@ -70,7 +70,10 @@ _FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 _FORCED_TIER: Optional[str] = None
 _LAST_TIER: Optional[str] = None
-_WARNED: set[str] = set()
+
+#: What tier selection answers: ``(tier, None)``, or ``(None, why the requested tier cannot run the
+#: call)``. Plain constants, because under torch.compile Dynamo folds the answer into the graph.
+TierChoice = Tuple[Optional[str], Optional[str]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,13 +81,11 @@ _WARNED: set[str] = set()
 # ---------------------------------------------------------------------------------------------
 
 
-def _warn_once(key: str, message: str) -> None:
-    """Warn at most once per key. Only called from code Dynamo does not trace."""
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
-    log.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+def _warn_fallback(message: str) -> None:
+    """Log and warn (RuntimeWarning) once per message. Runs in Python: eager, or while Dynamo traces
+    the constant-folded tier choice, so a message costs no graph break."""
+    emit_log_once(log, logging.WARNING, message)
+    emit_warning_once(message, RuntimeWarning, stacklevel=3)
 
 
 @functools.cache
@@ -159,71 +160,56 @@ def _reset_caches() -> None:
     global _LAST_TIER
     _flashinfer_rope.cache_clear()
     _triton_import.cache_clear()
-    _WARNED.clear()
+    reset_once()
     _LAST_TIER = None
 
 
-def _assume_constant(fn: Any) -> Any:
-    """``torch.compiler.assume_constant_result`` without importing Dynamo at import time.
-
-    The public decorator imports torch._dynamo (1-2 s, and it pulls in triton); importing this
-    module must stay cheap. In torch 2.4-2.13 the decorator only sets the attribute below, which
-    Dynamo reads when it meets the function; if Dynamo is already loaded we use the public API.
-    """
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-@_assume_constant
-def _select_tier(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool) -> str:
-    """Tier name for a call, or ``"!reason"`` when a requested tier cannot run it.
+@assume_constant
+def _select_tier(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool) -> TierChoice:
+    """The tier for a call, or why a requested tier cannot run it (see :data:`TierChoice`).
 
     Only Python constants go in and out, so under torch.compile this runs once at trace time and
     its answer is baked into the graph (no graph break); the warning is emitted from here for the
     same reason.
     """
     global _LAST_TIER
-    tier = _choose(device_type, requested, cache_form, flashinfer_fits)
+    tier, refusal = _choose(device_type, requested, cache_form, flashinfer_fits)
     if tier == "triton" and device_type == "cuda":
         _ensure_triton_ops()
-    if not tier.startswith("!"):
+    if tier is not None:
         _LAST_TIER = tier
-    return tier
+    return tier, refusal
 
 
-def _choose(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool) -> str:
+def _choose(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool) -> TierChoice:
     if requested == "torch":
-        return "torch"
+        return "torch", None
     if requested == "triton":
         ok, why = _triton_import()  # forcing Triton on CPU runs the interpreter
-        return "triton" if ok else f"!tier='triton' requested but {why}"
+        return ("triton", None) if ok else (None, f"tier='triton' requested but {why}")
     if requested == "flashinfer":
         fi, why = _flashinfer_rope()
         if fi is None:
-            return f"!tier='flashinfer' requested but {why}"
+            return None, f"tier='flashinfer' requested but {why}"
         if not (cache_form and flashinfer_fits):
-            return ("!tier='flashinfer' requested but FlashInfer only takes the cos_sin_cache form "
-                    "with token-major fp16/bf16 q and k (both given), last two dims dense, "
-                    f"head dim in {_FLASHINFER_HEAD_DIMS}")
-        return "flashinfer"
+            return None, ("tier='flashinfer' requested but FlashInfer only takes the cos_sin_cache form "
+                          "with token-major fp16/bf16 q and k (both given), last two dims dense, "
+                          f"head dim in {_FLASHINFER_HEAD_DIMS}")
+        return "flashinfer", None
     # automatic
     if device_type == "cuda" and cache_form and flashinfer_fits:
         fi, why = _flashinfer_rope()
         if fi is not None:
-            return "flashinfer"
-        _warn_once("flashinfer", f"torchpatches RoPE: FlashInfer tier unavailable ({why}); "
-                   "falling back to the Triton tier")
+            return "flashinfer", None
+        _warn_fallback(f"torchpatches RoPE: FlashInfer tier unavailable ({why}); falling back to the Triton tier")
     ok, why = _triton_status(device_type)
     if ok:
-        return "triton"
+        return "triton", None
     if device_type == "cuda":
-        _warn_once("triton", f"torchpatches RoPE: Triton tier unavailable ({why}); "
-                   "falling back to plain PyTorch")
+        _warn_fallback(f"torchpatches RoPE: Triton tier unavailable ({why}); falling back to plain PyTorch")
     else:
         log.debug("torchpatches RoPE on %s uses plain PyTorch: %s", device_type, why)
-    return "torch"
+    return "torch", None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +333,7 @@ def _check_cache(q: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor, 
 def _check_positions_range(positions: torch.Tensor, rows: int) -> None:
     # Only where it is cheap: CPU tensors in eager mode (a GPU check would synchronize, and a
     # data-dependent check would break a graph).
-    if positions.device.type != "cpu" or positions.numel() == 0 or torch.compiler.is_compiling():
+    if positions.device.type != "cpu" or positions.numel() == 0 or is_compiling():
         return
     lo, hi = int(positions.min()), int(positions.max())
     if lo < 0 or hi >= rows:
@@ -552,9 +538,9 @@ def _tier_for(q: torch.Tensor, tier: Optional[str], cache_form: bool, fits: bool
     requested = tier if tier is not None else (_FORCED_TIER or "auto")
     if requested not in TIERS + ("auto",):
         raise ValueError(f"unknown RoPE tier {requested!r}; expected one of {TIERS} or None")
-    chosen = _select_tier(q.device.type, requested, cache_form, bool(fits))
-    if chosen.startswith("!"):
-        raise ValueError(chosen[1:])
+    chosen, refusal = _select_tier(q.device.type, requested, cache_form, bool(fits))
+    if chosen is None:
+        raise ValueError(refusal)
     return chosen
 
 
@@ -584,7 +570,7 @@ def _run(q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: tor
 
 def _plain_eager(q: torch.Tensor) -> bool:
     """True outside any tracing: not Dynamo, and not make_fx/export (fake or functional tensors)."""
-    return not torch.compiler.is_compiling() and type(q) is torch.Tensor
+    return not is_compiling() and type(q) is torch.Tensor
 
 
 def _run_triton(q, k, cos, sin, positions, seq_dim, interleaved, cos_half, inplace):

@@ -55,6 +55,7 @@ from typing import Any, Callable, Tuple
 
 import torch
 
+from .._compat import is_compiling
 from .._declare import Patch, Target
 
 logger = logging.getLogger("torchpatches")
@@ -106,14 +107,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim:
     return out
 
 
-def build_replacement(
-    original: Callable[..., torch.Tensor], *, op_when_compiling: bool = False
-) -> Callable[..., torch.Tensor]:
-    """The function bound in place of ``original``.
-
-    ``op_when_compiling=True`` keeps the op in the graph under ``torch.compile`` too; the patch
-    uses False (see the banner) and the benchmark uses True to measure the alternative.
-    """
+def build_replacement(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The function bound in place of ``original``."""
 
     # Name and docstring of the original (help() reads the same); __module__ stays ours so that
     # ``embeddings.apply_rotary_emb.__module__`` tells a user the patch is in place.
@@ -125,14 +120,12 @@ def build_replacement(
         use_real_unbind_dim: int = -1,
         sequence_dim: int = 2,
     ) -> torch.Tensor:
-        if not op_when_compiling and torch.compiler.is_compiling():
+        if is_compiling():
             # Inductor fuses diffusers' own RoPE with the q/k RMSNorm and the concat: keep it visible.
             return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         if not is_flux_call(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
             return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         cos, sin = freqs_cis
-        if torch.compiler.is_compiling():
-            return _rotate(x, cos, sin, sequence_dim)  # is_flux_call already ruled out every refusal
         try:
             return _rotate(x, cos, sin, sequence_dim)
         except ValueError as refusal:  # the op checks before it writes anything: the original is safe
@@ -141,12 +134,7 @@ def build_replacement(
 
     # functools.wraps sets __wrapped__; drop it so inspect.unwrap / fingerprint see this function.
     del apply_rotary_emb.__wrapped__
-    apply_rotary_emb.__torchpatches_original__ = original  # type: ignore[attr-defined]
     return apply_rotary_emb
-
-
-def _make_replacement(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    return build_replacement(original)
 
 
 PATCH = Patch(
@@ -155,7 +143,7 @@ PATCH = Patch(
     targets=(
         Target(
             "diffusers.models.embeddings:apply_rotary_emb",
-            make_replacement=_make_replacement,
+            make_replacement=build_replacement,
             fingerprints=frozenset(
                 {
                     "a25267d425f8c5ea",  # diffusers 0.41.0, 0.42.1
