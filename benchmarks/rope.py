@@ -341,23 +341,31 @@ SWEEP_FLUX = [dict(BLOCK_H=bh, num_warps=nw, HEAD_PROGS=hp)
 SWEEP_LLM = SWEEP_FLUX
 
 
+def launch_inplace(q, k, cos, sin, positions, *, interleaved, cos_half, config):
+    """One in-place launch of the Triton kernel with the given launch parameters (no tier choice)."""
+    qv = q if q.dim() == 4 else q.unsqueeze(0)  # [T, H, D] -> [1, T, H, D]
+    kv = k if k.dim() == 4 else k.unsqueeze(0)
+    rotary_dim = cos.shape[1] * (2 if cos_half else 1)
+    _rope_triton.launch(_rope_triton.rope_kernel, qv, kv, qv, kv, cos, sin, positions,
+                        interleaved=interleaved, cos_half=cos_half, rotary_dim=rotary_dim, config=config)
+
+
 def sweep(rows, shape, configs, run_inplace, fresh, expected, nbytes, copy_gbs):
-    """Time each launch config (GPU µs) and check its result against ``expected``."""
+    """Time each launch config (GPU µs) and check its result against ``expected``.
+
+    ``run_inplace(q, k, config)`` launches the kernel in place with that config."""
     for cfg in configs:
-        _rope_triton.CONFIG_OVERRIDE.clear()
-        _rope_triton.CONFIG_OVERRIDE.update(cfg)
         try:
             qc, kc = fresh()
-            run_inplace(qc, kc)
+            run_inplace(qc, kc, cfg)
             err = max((qc.float() - expected[0].float()).abs().max().item(),
                       (kc.float() - expected[1].float()).abs().max().item())
         except Exception as ex:
             err = repr(ex)[:200]
         qi, ki = fresh()
         bench_row(rows, shape, "triton in-place " + " ".join(f"{k}={v}" for k, v in cfg.items()),
-                  lambda: run_inplace(qi, ki), nbytes, copy_gbs, host=False, sweep=True,
+                  lambda: run_inplace(qi, ki, cfg), nbytes, copy_gbs, host=False, sweep=True,
                   config=dict(cfg), max_abs_diff_vs_torch_tier=err)
-    _rope_triton.CONFIG_OVERRIDE.clear()
 
 
 def bench_flux(copy_gbs, rows):
@@ -394,8 +402,9 @@ def bench_flux(copy_gbs, rows):
     for name, fn in variants:
         bench_row(rows, "flux", name, fn, nbytes, copy_gbs)
     expected = rope.apply_rope_qk(q, k, cos, sin, interleaved=True, sequence_dim=1, tier="torch")
-    sweep(rows, "flux", SWEEP_FLUX, run_inplace, lambda: (q.clone(), k.clone()), expected, nbytes,
-          copy_gbs)
+    sweep(rows, "flux", SWEEP_FLUX,
+          lambda a, b, cfg: launch_inplace(a, b, cos, sin, None, interleaved=True, cos_half=False, config=cfg),
+          lambda: (q.clone(), k.clone()), expected, nbytes, copy_gbs)
     return dict(nbytes=nbytes, floor_us=round(floor_us, 2))
 
 
@@ -434,8 +443,11 @@ def bench_llm(copy_gbs, rows):
     for name, fn in variants:
         bench_row(rows, "llm", name, fn, nbytes, copy_gbs)
     expected = rope.apply_rope_qk_with_cache(q, k, cache, pos, interleaved=False, tier="torch")
-    sweep(rows, "llm", SWEEP_LLM, run_inplace, lambda: (q.clone(), k.clone()), expected, nbytes,
-          copy_gbs)
+    half = D // 2
+    sweep(rows, "llm", SWEEP_LLM,
+          lambda a, b, cfg: launch_inplace(a, b, cache[:, :half], cache[:, half:], pos[None], interleaved=False,
+                                           cos_half=True, config=cfg),
+          lambda: (q.clone(), k.clone()), expected, nbytes, copy_gbs)
     return dict(nbytes=nbytes, floor_us=round(floor_us, 2))
 
 

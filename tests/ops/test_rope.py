@@ -28,7 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchpatches.ops import rope
+from torchpatches.ops import _rope_tiers, rope
 
 try:  # the Triton tier needs triton (the interpreter is part of it)
     import triton  # noqa: F401
@@ -49,9 +49,9 @@ HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthChe
 
 @pytest.fixture(autouse=True)
 def _clean_rope_state():
-    rope._reset_caches()
+    _rope_tiers.reset_caches()
     yield
-    rope._reset_caches()
+    _rope_tiers.reset_caches()
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -197,7 +197,8 @@ def test_triton_launch_configs_agree(monkeypatch, overrides, interleaved):
     """The GPU launch variants (head blocking, programs per token) compute the same."""
     from torchpatches.ops import _rope_triton
 
-    monkeypatch.setattr(_rope_triton, "CONFIG_OVERRIDE", dict(overrides))
+    picked = _rope_triton.pick_config
+    monkeypatch.setattr(_rope_triton, "pick_config", lambda *args, **kwargs: {**picked(*args, **kwargs), **overrides})
     for form in ("per_token", "cache"):
         run_case("triton", "bshd", 1, 2, 5, 3, 8, 6, torch.bfloat16, interleaved, form, False, False, 7)
         run_case("triton", "tok", 1, 2, 3, 1, 8, 8, torch.float32, interleaved, form, True, True, 8)
@@ -415,16 +416,16 @@ def test_tier_selection_on_cpu(monkeypatch):
 
 def test_cuda_fallback_warns_once(monkeypatch):
     """No FlashInfer and no Triton on CUDA: one warning per missing tier, then silence."""
-    monkeypatch.setattr(rope, "_flashinfer_rope", lambda: (None, "flashinfer is not installed"))
-    monkeypatch.setattr(rope, "_triton_import", lambda: (False, "triton is not installed"))
+    monkeypatch.setattr(_rope_tiers, "flashinfer_rope", lambda: (None, "flashinfer is not installed"))
+    monkeypatch.setattr(_rope_tiers, "triton_import", lambda: (False, "triton is not installed"))
     with pytest.warns(RuntimeWarning) as rec:
-        assert rope._select_tier("cuda", "auto", True, True) == ("torch", None)
+        assert _rope_tiers.select_tier("cuda", "auto", True, True) == ("torch", None)
     msgs = [str(w.message) for w in rec]
     assert any("FlashInfer" in m for m in msgs) and any("Triton" in m for m in msgs)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert rope._select_tier("cuda", "auto", True, True) == ("torch", None)
-        assert rope._select_tier("cuda", "auto", False, False) == ("torch", None)
+        assert _rope_tiers.select_tier("cuda", "auto", True, True) == ("torch", None)
+        assert _rope_tiers.select_tier("cuda", "auto", False, False) == ("torch", None)
 
 
 def test_import_does_not_import_triton_or_flashinfer():
@@ -482,20 +483,20 @@ def fake_flashinfer(monkeypatch):
     pkg.rope = mod
     monkeypatch.setitem(sys.modules, "flashinfer", pkg)
     monkeypatch.setitem(sys.modules, "flashinfer.rope", mod)
-    rope._reset_caches()
+    _rope_tiers.reset_caches()
     yield mod
-    rope._reset_caches()
+    _rope_tiers.reset_caches()
 
 
 def test_flashinfer_is_chosen_on_cuda_when_it_fits(fake_flashinfer):
     assert rope.describe_tiers("cuda")["flashinfer"][0]
     assert not rope.describe_tiers("cpu")["flashinfer"][0]
-    assert rope._select_tier("cuda", "auto", True, True) == ("flashinfer", None)
+    assert _rope_tiers.select_tier("cuda", "auto", True, True) == ("flashinfer", None)
     # per-token form, or a layout FlashInfer cannot take: the next tier, without a warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert rope._select_tier("cuda", "auto", False, False) in (("triton", None), ("torch", None))
-        assert rope._select_tier("cuda", "auto", True, False) in (("triton", None), ("torch", None))
+        assert _rope_tiers.select_tier("cuda", "auto", False, False) in (("triton", None), ("torch", None))
+        assert _rope_tiers.select_tier("cuda", "auto", True, False) in (("triton", None), ("torch", None))
 
 
 @pytest.mark.parametrize("layout", ["tok", "bshd-batch-positions", "qkv-slice"])
@@ -518,7 +519,7 @@ def test_flashinfer_argument_mapping(fake_flashinfer, layout, interleaved, inpla
         k = qkv[:, HQ * D:(HQ + HK) * D].view(5, HK, D)
         pos = torch.arange(5)
     cache = torch.randn(10, 48, generator=gen)  # rotary 48 of head dim 64
-    assert rope._flashinfer_fits(q, k, 1 if q.dim() == 4 else 0, D, pos)
+    assert _rope_tiers.flashinfer_takes(q, k, 1 if q.dim() == 4 else 0, D, pos)
     want = rope.apply_rope_qk_with_cache(q, k, cache, pos, interleaved=interleaved, tier="torch")
     if inplace:
         rope.apply_rope_qk_with_cache_inplace(q, k, cache, pos, interleaved=interleaved,
@@ -543,11 +544,11 @@ def test_flashinfer_argument_mapping(fake_flashinfer, layout, interleaved, inpla
 def test_flashinfer_refuses_what_it_cannot_take(fake_flashinfer):
     q, k = torch.randn(2, 3, 4, 64).half(), torch.randn(2, 3, 2, 64).half()
     cache, pos = torch.randn(8, 64), torch.arange(3)
-    assert not rope._flashinfer_fits(q, k, 2, 64, pos)              # [B, H, S, D]
-    assert not rope._flashinfer_fits(q, k, 1, 64, pos)              # [S] positions, batch 2
-    assert not rope._flashinfer_fits(q.float(), k.float(), 1, 64, pos.expand(2, 3))  # fp32
-    assert not rope._flashinfer_fits(q, None, 1, 64, pos.expand(2, 3))  # no k
-    assert not rope._flashinfer_fits(q[..., :48], k[..., :48], 1, 48, pos.expand(2, 3))
+    assert not _rope_tiers.flashinfer_takes(q, k, 2, 64, pos)              # [B, H, S, D]
+    assert not _rope_tiers.flashinfer_takes(q, k, 1, 64, pos)              # [S] positions, batch 2
+    assert not _rope_tiers.flashinfer_takes(q.float(), k.float(), 1, 64, pos.expand(2, 3))  # fp32
+    assert not _rope_tiers.flashinfer_takes(q, None, 1, 64, pos.expand(2, 3))  # no k
+    assert not _rope_tiers.flashinfer_takes(q[..., :48], k[..., :48], 1, 48, pos.expand(2, 3))
     with pytest.raises(ValueError, match="FlashInfer only takes"):
         rope.apply_rope_qk_with_cache_inplace(q, k, cache, pos, interleaved=False,
                                               sequence_dim=1, tier="flashinfer")
@@ -615,13 +616,13 @@ def test_compile_fullgraph_zero_graph_breaks(tier):
 def test_tier_query_runs_once_at_trace_time_not_per_call(monkeypatch):
     """The availability query is folded to a constant by Dynamo: called when tracing, not after."""
     calls = []
-    real = rope._choose
+    real = _rope_tiers.choose
 
     def counting(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(rope, "_choose", counting)
+    monkeypatch.setattr(_rope_tiers, "choose", counting)
     q, k, cos, sin = _good()
 
     def f(q, k):

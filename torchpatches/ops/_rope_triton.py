@@ -3,7 +3,7 @@
 Grid: axis 0 walks the B*S tokens, axis 1 walks head blocks of q followed by head blocks of k, so
 one launch covers both tensors (GQA: different head counts) and every program reuses the cos/sin
 row it loaded for BLOCK_H heads. Tensors arrive as 4-D ``[B, S, H, D]`` views (any strides, but
-the last dim must be unit-stride so the loads vectorize; ``ops/rope.py`` guarantees that).
+the last dim must be unit-stride so the loads vectorize; ``_rope_library.run_triton`` guarantees that).
 
 Two cos/sin forms, one kernel (constexpr ``COS_HALF``):
 - full form (diffusers): cos/sin rows hold ``rotary_dim`` values, one per element; an element and
@@ -156,11 +156,6 @@ def kernel_for(device_type: str) -> Any:
     return rope_kernel if device_type == "cuda" else interpreted_kernel()
 
 
-# Benchmarks may override the launch heuristics:
-# {"BLOCK_H": int, "num_warps": int, "HEAD_PROGS": int}.
-CONFIG_OVERRIDE: dict[str, Any] = {}
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)  # not triton.cdiv: that is a @jit function, slow to call from Python
 
@@ -170,7 +165,8 @@ def _next_pow2(n: int) -> int:
 
 
 def pick_config(hq: int, hk: int, rotary_dim: int, interpreted: bool = False) -> dict[str, Any]:
-    """Launch parameters. BLOCK_H divides both head counts where possible, so no lanes idle."""
+    """Launch parameters ``{"BLOCK_H", "num_warps", "HEAD_PROGS"}``. BLOCK_H divides both head counts
+    where possible, so no lanes idle."""
     if interpreted:
         # The interpreter pays Python overhead per program: one program per token is fastest.
         cfg = dict(BLOCK_H=_next_pow2(max(hq, hk)), num_warps=1, HEAD_PROGS=1)
@@ -184,7 +180,6 @@ def pick_config(hq: int, hk: int, rotary_dim: int, interpreted: bool = False) ->
         block_h = max(1, min(block_h, max(1, 1024 // (2 * half_block))))
         num_warps = 2 if block_h * 2 * half_block >= 512 else 1
         cfg = dict(BLOCK_H=block_h, num_warps=num_warps, HEAD_PROGS=0)
-    cfg.update(CONFIG_OVERRIDE)
     return cfg
 
 
@@ -201,15 +196,17 @@ def launch(
     interleaved: bool,
     cos_half: bool,
     rotary_dim: int,
+    config: Optional[dict[str, Any]] = None,
 ) -> None:
     """Launch ``kernel`` (compiled, interpreted or ``wrap_triton``-wrapped) on 4-D [B,S,H,D] views.
 
     ``cos``/``sin`` are 2-D ``[rows, width]``; ``positions`` (if given) is 2-D ``[B or 1, S]``
-    with stride 0 on a broadcast batch dim. ``q_out is q`` means in place.
+    with stride 0 on a broadcast batch dim. ``q_out is q`` means in place. ``config``: launch
+    parameters as :func:`pick_config` returns them (benchmarks sweep them); None picks them.
     """
     B, S, HQ, D = q.shape
     HK = k.shape[2] if k is not None else 0
-    cfg = pick_config(HQ, HK, rotary_dim, interpreted=q.device.type != "cuda")
+    cfg = config if config is not None else pick_config(HQ, HK, rotary_dim, interpreted=q.device.type != "cuda")
     block_h = cfg["BLOCK_H"]
     nhb_q = _cdiv(HQ, block_h)
     nhb = nhb_q + (_cdiv(HK, block_h) if k is not None else 0)
