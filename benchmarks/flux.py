@@ -34,70 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-DEV_CONFIG: Dict[str, Any] = dict(  # FLUX.1-dev
-    patch_size=1,
-    in_channels=64,
-    num_layers=19,
-    num_single_layers=38,
-    attention_head_dim=128,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    pooled_projection_dim=768,
-    guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
-TINY_CONFIG: Dict[str, Any] = dict(
-    patch_size=1,
-    in_channels=16,
-    num_layers=1,
-    num_single_layers=1,
-    attention_head_dim=16,
-    num_attention_heads=2,
-    joint_attention_dim=32,
-    pooled_projection_dim=16,
-    guidance_embeds=True,
-    axes_dims_rope=(4, 6, 6),
-)
-
-
-def build_model(config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Random weights, created directly on the device in the target dtype (no fp32 copy on the host)."""
-    from diffusers import FluxTransformer2DModel
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            torch.manual_seed(0)
-            model = FluxTransformer2DModel(**config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
-
-
-def make_inputs(
-    config: Dict[str, Any], image_side: int, text_tokens: int, device: torch.device, dtype: torch.dtype
-) -> Dict[str, torch.Tensor]:
-    """Inputs shaped as FluxPipeline passes them: packed 2x2 latents, ids [S, 3], timestep in [0, 1]."""
-    grid = image_side // 16  # VAE /8, then 2x2 packing
-    generator = torch.Generator(device="cpu").manual_seed(1)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
-
-    img_ids = torch.zeros(grid, grid, 3)
-    img_ids[..., 1] = torch.arange(grid)[:, None]
-    img_ids[..., 2] = torch.arange(grid)[None, :]
-    return dict(
-        hidden_states=randn(1, grid * grid, config["in_channels"]),
-        encoder_hidden_states=randn(1, text_tokens, config["joint_attention_dim"]),
-        pooled_projections=randn(1, config["pooled_projection_dim"]),
-        timestep=torch.tensor([0.5], device=device, dtype=dtype),
-        guidance=torch.tensor([3.5], device=device, dtype=torch.float32),
-        img_ids=img_ids.reshape(-1, 3).to(device),
-        txt_ids=torch.zeros(text_tokens, 3, device=device),
-    )
-
+from torchpatches import testing
 
 def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> List[float]:
     """Per-step milliseconds: CUDA events on a GPU, perf_counter after a synchronize elsewhere."""
@@ -124,7 +61,7 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters
 
 @contextlib.contextmanager
 def patch_state(variant: str) -> Iterator[None]:
-    """Put torchpatches into the state a variant names; restore the previous state afterwards.
+    """Put torchpatches into the state a variant names; every patch as before after it.
 
     vanilla       every torchpatches patch reverted: stock torch + diffusers
     torchpatches  every eligible patch applied (what ``import torchpatches`` gives)
@@ -132,101 +69,29 @@ def patch_state(variant: str) -> Iterator[None]:
     op            stock, plus a replacement that keeps the RoPE op even under torch.compile
     """
     import torchpatches
-    from torchpatches import testing
     from torchpatches.patches import rope as rope_patch
 
-    if variant in ("torchpatches", "qk1"):
+    if variant == "torchpatches":
         torchpatches.apply()
         yield
-        return
-    with torchpatches.disabled():
-        if variant == "vanilla":
+    elif variant == "vanilla":
+        with torchpatches.only():
             yield
-        elif variant == "rope":
-            torchpatches.apply("rope")
-            try:
-                yield
-            finally:
-                torchpatches.revert("rope")
-        elif variant == "op":
-            with testing.replacing(rope_patch.PATCH, testing.rope_op_under_compile):
-                yield
-        else:
-            raise ValueError(f"unknown variant {variant!r}")
-
-
-def one_launch_processor() -> Any:
-    """Experiment, not shipped: FLUX's attention processor with q and k rotated by ONE op call.
-
-    Same code as diffusers 0.42.1 ``FluxAttnProcessor.__call__`` except the two
-    ``apply_rotary_emb`` calls; measures what patching the processor (instead of
-    ``apply_rotary_emb``) would buy in eager mode.
-    """
-    from diffusers.models.transformers import transformer_flux as tf
-
-    from torchpatches.ops.rope import apply_rope_qk
-
-    class OneLaunchFluxAttnProcessor(tf.FluxAttnProcessor):
-        def __call__(  # type: ignore[no-untyped-def]
-            self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None
-        ):
-            query, key, value, encoder_query, encoder_key, encoder_value = tf._get_qkv_projections(
-                attn, hidden_states, encoder_hidden_states
-            )
-            query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-            key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-            value = value.unflatten(-1, (-1, attn.head_dim))
-            if attn.added_kv_proj_dim is not None:
-                encoder_query = attn.norm_added_q(encoder_query.unflatten(-1, (-1, attn.head_dim)))
-                encoder_key = attn.norm_added_k(encoder_key.unflatten(-1, (-1, attn.head_dim)))
-                encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-                query = torch.cat([encoder_query, query], dim=1)
-                key = torch.cat([encoder_key, key], dim=1)
-                value = torch.cat([encoder_value, value], dim=1)
-            if image_rotary_emb is not None:
-                cos, sin = image_rotary_emb
-                query, key = apply_rope_qk(query, key, cos, sin, interleaved=True, sequence_dim=1)
-            hidden_states = tf.dispatch_attention_fn(
-                query, key, value, attn_mask=attention_mask,
-                backend=self._attention_backend, parallel_config=self._parallel_config,
-            )
-            hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-            if encoder_hidden_states is not None:
-                encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                    [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
-                )
-                hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
-                return hidden_states, encoder_hidden_states
-            return hidden_states
-
-    return OneLaunchFluxAttnProcessor()
-
-
-@contextlib.contextmanager
-def processors(model: torch.nn.Module, variant: str) -> Iterator[None]:
-    """For the ``qk1`` variant, swap every FLUX attention processor for the one-launch experiment."""
-    if variant != "qk1":
-        yield
-        return
-    saved = model.attn_processors
-    model.set_attn_processor(one_launch_processor())
-    try:
-        yield
-    finally:
-        model.set_attn_processor(saved)
+    elif variant == "rope":
+        with torchpatches.only("rope"):
+            yield
+    elif variant == "op":
+        with torchpatches.only(), testing.replacing(rope_patch.PATCH, testing.rope_op_under_compile):
+            yield
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
 
 
 def output_of(result: Any) -> torch.Tensor:
     return result[0] if isinstance(result, (tuple, list)) else result.sample
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def bench_rope_micro(device: torch.device, tokens: int, heads: int, head_dim: int, iters: int) -> Dict[str, float]:
+def bench_rope_micro(device: torch.device, tokens: int, config: Dict[str, Any], iters: int) -> Dict[str, float]:
     """RoPE alone at the FLUX shape: diffusers eager vs the patch's replacement (q and k one call each),
     vs one op call for q and k together (what patching the attention processor would buy)."""
     from diffusers.models import embeddings
@@ -236,11 +101,12 @@ def bench_rope_micro(device: torch.device, tokens: int, heads: int, head_dim: in
     from torchpatches.ops.rope import apply_rope_qk
     from torchpatches.patches import rope as rope_patch
 
+    heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
     torch.manual_seed(2)
     q = torch.randn(1, tokens, heads, head_dim, device=device, dtype=torch.bfloat16)
     k = torch.randn_like(q)
     ids = torch.randint(0, 64, (tokens, 3), device=device).float()
-    cos, sin = FluxPosEmbed(theta=10000, axes_dim=[16, 56, 56] if head_dim == 128 else [4, 6, 6])(ids)
+    cos, sin = FluxPosEmbed(theta=10000, axes_dim=list(config["axes_dims_rope"]))(ids)
     with torchpatches.disabled("rope"):
         original = embeddings.apply_rotary_emb
     replacement = rope_patch.build_replacement(original)
@@ -362,7 +228,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--modes", default="eager,compile", help="comma list of eager, compile")
     parser.add_argument("--compile-variants", default="vanilla,op,torchpatches,rope")
-    parser.add_argument("--eager-variants", default="vanilla,torchpatches,qk1")
+    parser.add_argument("--eager-variants", default="vanilla,torchpatches")
     parser.add_argument("--regional", action="store_true", help="compile the repeated blocks only")
     parser.add_argument("--no-micro", action="store_true", help="skip the RoPE micro-benchmark")
     parser.add_argument("--profile", action="store_true", help="torch.profiler GPU kernel times of eager steps")
@@ -372,13 +238,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    config = TINY_CONFIG if args.tiny else DEV_CONFIG
+    config_name = "flux1" if args.tiny else "flux1-dev"
+    config = testing.CONFIGS[config_name][1]
     image_side, text_tokens = (128, 8) if args.tiny else (1024, 512)
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     iters = args.iters if args.iters is not None else (3 if args.tiny else 20)
 
     results: Dict[str, Any] = {
-        "config": dict(config, image_side=image_side, text_tokens=text_tokens, batch=1, dtype=str(dtype)),
+        "config": dict(config, name=config_name, image_side=image_side, text_tokens=text_tokens, batch=1,
+                       dtype=str(dtype)),
         "versions": versions(),
         "warmup": warmup,
         "iters": iters,
@@ -392,8 +260,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 json.dump(results, handle, indent=2)
 
     t0 = time.perf_counter()
-    model = build_model(config, device, dtype)
-    inputs = make_inputs(config, image_side, text_tokens, device, dtype)
+    model = testing.build_model(config_name, dtype=dtype, device=device)
+    # As FluxPipeline passes them: VAE /8, then 2x2 packing -> a (side / 16)^2 token grid.
+    inputs = testing.tiny_inputs(config_name, dtype=dtype, device=device, side=image_side // 16,
+                                 text_tokens=text_tokens)
     results["build_s"] = time.perf_counter() - t0
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"built model in {results['build_s']:.1f} s; {params_b:.2f} B params", flush=True)
@@ -405,7 +275,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     def run_variant(mode: str, variant: str) -> None:
         nonlocal reference
         torch._dynamo.reset()
-        with patch_state(variant), processors(model, variant), torch.inference_mode():
+        with patch_state(variant), torch.inference_mode():
             if mode == "compile":
                 if args.regional:
                     model.compile_repeated_blocks(fullgraph=True)
@@ -414,7 +284,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     step_model = torch.compile(model, fullgraph=True)
             else:
                 step_model = model
-            step = lambda: step_model(**inputs, return_dict=False)  # noqa: E731
+            step = lambda: step_model(**inputs)  # noqa: E731
             t1 = time.perf_counter()
             out = output_of(step())
             if device.type == "cuda":
@@ -449,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
         if reference is None:
             reference = out.float().clone()
-        row["rel_err_vs_eager_vanilla"] = rel_err(out.float(), reference)
+        row["rel_err_vs_eager_vanilla"] = testing.rel_err(out.float(), reference)
         if mode == "eager" and variant != "vanilla":
             row["rope_tier_used"] = rope_op.last_tier()
         key = f"{mode}/{variant}"
@@ -468,8 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         results["rope_micro"] = bench_rope_micro(
             device,
             tokens=(image_side // 16) ** 2 + text_tokens,
-            heads=config["num_attention_heads"],
-            head_dim=config["attention_head_dim"],
+            config=config,
             iters=iters * 5,
         )
         save()

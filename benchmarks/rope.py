@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -28,6 +27,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from torchpatches import testing  # noqa: E402
 from torchpatches.ops import rope  # noqa: E402
 from torchpatches.ops import _rope_triton  # noqa: E402
 
@@ -71,51 +71,10 @@ def llm_baseline(q, k, cache, positions):
     return one(q), one(k)
 
 
-# --------------------------------------------------------------------------- reference
-
-
-def ref64(x, cos, sin, positions, *, interleaved, cos_half, seq_dim):
-    """float64 reference, written independently of the library (explicit pair indexing)."""
-    x = x.double()
-    xv = x.unsqueeze(0) if x.dim() == 3 else (x if seq_dim == 1 else x.transpose(1, 2))
-    B, S, H, D = xv.shape
-    cos, sin = cos.double(), sin.double()
-    if positions is not None:
-        p = positions.long()
-        p = p.expand(B, S) if p.dim() == 1 else p
-        if x.dim() == 3:
-            p = p.reshape(1, S)
-        c, s = cos[p], sin[p]  # [B, S, w]
-    else:
-        c, s = cos[None].expand(B, S, -1), sin[None].expand(B, S, -1)
-    r = c.shape[-1] * (2 if cos_half else 1)
-    out = xv.clone()
-    for i in range(r // 2):
-        ia, ib = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
-        if cos_half:
-            ca = cb = c[..., i]
-            sa = sb = s[..., i]
-        else:
-            ca, cb, sa, sb = c[..., ia], c[..., ib], s[..., ia], s[..., ib]
-        a, b = xv[..., ia], xv[..., ib]
-        out[..., ia] = a * ca[..., None] - b * sa[..., None]
-        out[..., ib] = b * cb[..., None] + a * sb[..., None]
-    if x.dim() == 3:
-        return out.squeeze(0)
-    return out if seq_dim == 1 else out.transpose(1, 2)
-
-
 DEV = os.environ.get("ROPE_BENCH_DEVICE", "cuda")  # "cpu" (with TRITON_INTERPRET=1): smoke test
 SMALL_CASES = [((1, 3, 2, 16), 2, 1, 16), ((1, 2, 2, 12), 1, 2, 8), ((3, 2, 8), 1, 0, 8)]
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative L2 error
-
-
-def rel_err(out, ref):
-    out = out.double()
-    if torch.isnan(out).any():
-        return float("nan")
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def poison_allocator(nbytes: int):
@@ -156,12 +115,13 @@ def check_one(tier, shape_q, hk, dtype, seq_dim, rotary_dim, interleaved, form, 
     q, k, a, b, pos = make_inputs(shape_q, hk, dtype, seq_dim, rotary_dim, interleaved, form, gen)
     sd = seq_dim if q.dim() == 4 else 0
     if form == "per_token":
-        rq = ref64(q, a, b, None, interleaved=interleaved, cos_half=False, seq_dim=sd)
-        rk = ref64(k, a, b, None, interleaved=interleaved, cos_half=False, seq_dim=sd)
+        rq = testing.rope_reference(q, a, b, interleaved=interleaved, seq_dim=sd)
+        rk = testing.rope_reference(k, a, b, interleaved=interleaved, seq_dim=sd)
     else:
         h = rotary_dim // 2
-        rq = ref64(q, a[:, :h], a[:, h:], pos, interleaved=interleaved, cos_half=True, seq_dim=sd)
-        rk = ref64(k, a[:, :h], a[:, h:], pos, interleaved=interleaved, cos_half=True, seq_dim=sd)
+        cos, sin = a[:, :h], a[:, h:]
+        rq = testing.rope_reference(q, cos, sin, pos, interleaved=interleaved, cos_half=True, seq_dim=sd)
+        rk = testing.rope_reference(k, cos, sin, pos, interleaved=interleaved, cos_half=True, seq_dim=sd)
     if inplace:
         qo, ko = q.clone(), k.clone()
         if form == "per_token":
@@ -176,7 +136,7 @@ def check_one(tier, shape_q, hk, dtype, seq_dim, rotary_dim, interleaved, form, 
         else:
             qo, ko = rope.apply_rope_qk_with_cache(q, k, a, pos, interleaved=interleaved,
                                                    sequence_dim=sd, tier=tier)
-    e = max(rel_err(qo, rq), rel_err(ko, rk))
+    e = max(testing.rel_err(qo, rq), testing.rel_err(ko, rk))
     return e, rope.last_tier()
 
 
@@ -223,15 +183,15 @@ def run_checks(results, only_tiers=None):
     cache = torch.cat([ang.cos(), ang.sin()], -1)
     pos = torch.randint(0, T + 5, (T,), device=DEV, generator=gen)
     for tier in tiers:
-        rq = ref64(q, cache[:, :D // 2], cache[:, D // 2:], pos, interleaved=False, cos_half=True, seq_dim=0)
-        rk = ref64(k, cache[:, :D // 2], cache[:, D // 2:], pos, interleaved=False, cos_half=True, seq_dim=0)
+        cos, sin = cache[:, :D // 2], cache[:, D // 2:]
+        rq = testing.rope_reference(q, cos, sin, pos, interleaved=False, cos_half=True, seq_dim=0)
+        rk = testing.rope_reference(k, cos, sin, pos, interleaved=False, cos_half=True, seq_dim=0)
         v = qkv[:, (HQ + HK) * D:].clone()
-        q2, k2 = q.clone(), k.clone()
         qkv2 = qkv.clone()
         qq = qkv2[:, : HQ * D].view(T, HQ, D)
         kk = qkv2[:, HQ * D:(HQ + HK) * D].view(T, HK, D)
         rope.apply_rope_qk_with_cache_inplace(qq, kk, cache, pos, interleaved=False, tier=tier)
-        e = max(rel_err(qq, rq), rel_err(kk, rk))
+        e = max(testing.rel_err(qq, rq), testing.rel_err(kk, rk))
         untouched = torch.equal(qkv2[:, (HQ + HK) * D:], v)
         ok = e <= TOL[torch.bfloat16] and untouched
         fails += not ok
@@ -265,13 +225,12 @@ def run_compile_checks(results):
         for mode in ("default", "reduce-overhead", "max-autotune-no-cudagraphs"):
             torch._dynamo.reset()
             try:
-                expl = torch._dynamo.explain(fn)(q, k, cos, sin)
-                breaks = expl.graph_break_count
+                breaks = testing.graph_report(fn, q, k, cos, sin).breaks
                 cf = torch.compile(fn, fullgraph=True, mode=None if mode == "default" else mode)
                 for _ in range(3):  # cudagraph trees record on the 2nd/3rd call
                     got = cf(q, k, cos, sin)
                 torch.cuda.synchronize()
-                e = max(rel_err(got[0], ref[0].double()), rel_err(got[1], ref[1].double()))
+                e = max(testing.rel_err(got[0], ref[0].double()), testing.rel_err(got[1], ref[1].double()))
                 ok = breaks == 0 and e <= 1e-2 and rope.last_tier() == "triton"
             except Exception as ex:
                 breaks, e, ok = None, repr(ex)[:300], False

@@ -6,7 +6,7 @@ import sys
 import textwrap
 import uuid
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable
 
 import pytest
 

@@ -8,47 +8,28 @@ from typing import Iterator, List
 import pytest
 import torch
 
+from torchpatches import testing
 from torchpatches.compile import OnceLogger, constant_query, reset_once, warn_once, warning_once
 
 LOGGER_NAME = "torchpatches.tests.compile"
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: List[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    @property
-    def messages(self) -> List[str]:
-        return [r.getMessage() for r in self.records]
-
-
 @pytest.fixture
-def records() -> Iterator[_Records]:
+def records() -> Iterator[testing.LogRecords]:
     """Everything logged on LOGGER_NAME (handler on the logger itself: no propagation needed)."""
     reset_once()
-    handler, logger = _Records(), logging.getLogger(LOGGER_NAME)
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
     torch._dynamo.reset()
     try:
-        yield handler
+        with testing.capture_logs(LOGGER_NAME, level=logging.DEBUG) as handler:
+            yield handler
     finally:
-        logger.removeHandler(handler)
         torch._dynamo.reset()
         reset_once()
 
 
 def _explain(fn, *args):
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        explanation = torch._dynamo.explain(fn)(*args)
-    torch._dynamo.reset()
-    return explanation.graph_count, explanation.graph_break_count
+    report = testing.graph_report(fn, *args)
+    return report.graphs, report.breaks
 
 
 def _compiled(fn, **kwargs):
@@ -69,7 +50,7 @@ def _model_with_warnings(x: torch.Tensor) -> torch.Tensor:
 # ---- eager ---------------------------------------------------------------------------------------
 
 
-def test_warning_once_eager_same_message_once_different_messages_each(records: _Records) -> None:
+def test_warning_once_eager_same_message_once_different_messages_each(records: testing.LogRecords) -> None:
     logger = logging.getLogger(LOGGER_NAME)
     for _ in range(3):
         warning_once(logger, "same %s", "text")
@@ -80,7 +61,7 @@ def test_warning_once_eager_same_message_once_different_messages_each(records: _
     assert all(r.funcName == "test_warning_once_eager_same_message_once_different_messages_each" for r in records.records)
 
 
-def test_warning_once_respects_level_and_does_not_consume_disabled_messages(records: _Records) -> None:
+def test_warning_once_respects_level_and_does_not_consume_disabled_messages(records: testing.LogRecords) -> None:
     logging.getLogger(LOGGER_NAME).setLevel(logging.ERROR)
     warning_once(LOGGER_NAME, "hidden")
     logging.getLogger(LOGGER_NAME).setLevel(logging.DEBUG)
@@ -88,7 +69,7 @@ def test_warning_once_respects_level_and_does_not_consume_disabled_messages(reco
     assert records.messages == ["hidden"]
 
 
-def test_warn_once_eager(records: _Records) -> None:
+def test_warn_once_eager(records: testing.LogRecords) -> None:
     with pytest.warns(FutureWarning, match="^deprecated thing$") as caught:
         for _ in range(3):
             warn_once("deprecated thing", FutureWarning, stacklevel=1)
@@ -98,7 +79,7 @@ def test_warn_once_eager(records: _Records) -> None:
         warn_once("n=%d", args=(3,))
 
 
-def test_once_logger_eager(records: _Records) -> None:
+def test_once_logger_eager(records: testing.LogRecords) -> None:
     for _ in range(2):
         once_logger.warning("w")
         once_logger.info("i %d", 1)  # info keeps the logger's every-call behaviour in eager
@@ -107,7 +88,7 @@ def test_once_logger_eager(records: _Records) -> None:
     assert records.records[0].funcName == "test_once_logger_eager"
 
 
-def test_percent_without_args_and_records_keep_msg_and_args(records: _Records) -> None:
+def test_percent_without_args_and_records_keep_msg_and_args(records: testing.LogRecords) -> None:
     warning_once(LOGGER_NAME, "100% sure")
     warning_once(LOGGER_NAME, "%s and %d", "a", 2)
     assert records.messages == ["100% sure", "a and 2"]
@@ -117,7 +98,7 @@ def test_percent_without_args_and_records_keep_msg_and_args(records: _Records) -
 # ---- under torch.compile ---------------------------------------------------------------------------
 
 
-def test_no_graph_break_and_fullgraph(records: _Records) -> None:
+def test_no_graph_break_and_fullgraph(records: testing.LogRecords) -> None:
     assert _explain(_model_with_warnings, torch.randn(4)) == (1, 0)
     reset_once()
     records.records.clear()
@@ -132,7 +113,7 @@ def test_no_graph_break_and_fullgraph(records: _Records) -> None:
     assert records.records[0].funcName == "_model_with_warnings" and records.records[0].pathname == __file__
 
 
-def test_emitted_once_at_trace_time_not_per_call_and_no_recompile(records: _Records) -> None:
+def test_emitted_once_at_trace_time_not_per_call_and_no_recompile(records: testing.LogRecords) -> None:
     compiled = _compiled(_model_with_warnings)
     with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(error_on_recompile=True):
         warnings.simplefilter("always")
@@ -142,7 +123,7 @@ def test_emitted_once_at_trace_time_not_per_call_and_no_recompile(records: _Reco
     assert len(caught) == 1
 
 
-def test_eager_then_compile_does_not_repeat(records: _Records) -> None:
+def test_eager_then_compile_does_not_repeat(records: testing.LogRecords) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _model_with_warnings(torch.randn(4))
@@ -151,7 +132,7 @@ def test_eager_then_compile_does_not_repeat(records: _Records) -> None:
     assert len(caught) == 1
 
 
-def test_dynamic_shapes_format_the_traced_value_without_specializing(records: _Records) -> None:
+def test_dynamic_shapes_format_the_traced_value_without_specializing(records: testing.LogRecords) -> None:
     compiled = _compiled(_model_with_warnings, dynamic=True)
     with warnings.catch_warnings(record=True), torch._dynamo.config.patch(error_on_recompile=True):
         warnings.simplefilter("always")
@@ -160,7 +141,7 @@ def test_dynamic_shapes_format_the_traced_value_without_specializing(records: _R
     assert records.messages == ["x has 5 rows and a name", "plain message"]
 
 
-def test_raw_logger_object_under_compile(records: _Records) -> None:
+def test_raw_logger_object_under_compile(records: testing.LogRecords) -> None:
     logger = logging.getLogger(LOGGER_NAME)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -181,7 +162,7 @@ def _outer(x: torch.Tensor) -> torch.Tensor:
     return _inner_site(x) * 2
 
 
-def test_trace_time_location_is_the_calling_line_in_nested_frames(records: _Records) -> None:
+def test_trace_time_location_is_the_calling_line_in_nested_frames(records: testing.LogRecords) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _compiled(_outer)(torch.ones(2))
@@ -189,7 +170,7 @@ def test_trace_time_location_is_the_calling_line_in_nested_frames(records: _Reco
     assert caught[0].filename == __file__ and caught[0].lineno == _inner_site.__code__.co_firstlineno + 2
 
 
-def test_once_logger_warning_with_logging_kwargs(records: _Records) -> None:
+def test_once_logger_warning_with_logging_kwargs(records: testing.LogRecords) -> None:
     for _ in range(2):
         once_logger.warning("with extra", extra={"k": 1})
     assert records.messages == ["with extra"] and records.records[0].k == 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import traceback
-from typing import Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Tuple, Union
 
 from . import _env
 from ._declare import Patch, Target

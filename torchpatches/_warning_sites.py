@@ -159,8 +159,8 @@ def lora_wrapper_replacement(
 ) -> types.FunctionType:
     """A copy of an ``@apply_lora_scale`` wrapper whose scale warning goes through ``peft_logger``.
 
-    The registry's fingerprint of the wrapper is the wrapped forward's source (``inspect`` follows
-    ``__wrapped__``); the wrapper's own source is verified through the patch's ``verifies``. With
+    The target's fingerprint covers the wrapper and the forward it wraps (every ``__wrapped__`` layer);
+    the decorator that makes such wrappers, ``apply_lora_scale``, is in the patch's ``verifies``. With
     ``inner_bindings`` the wrapped forward is rebuilt too, for its own ``logger`` sites.
     """
     names = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__ or ())))

@@ -28,6 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from torchpatches import testing
 from torchpatches.ops import _rope_tiers, rope
 
 try:  # the Triton tier needs triton (the interpreter is part of it)
@@ -55,28 +56,6 @@ def _clean_rope_state():
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def ref64(x, cos_full, sin_full, *, interleaved, seq_dim):
-    """float64 RoPE with explicit pair indexing (independent of the library's code).
-
-    cos_full/sin_full: per element, shape [S, r] or [B, S, r] (gathered by positions).
-    """
-    x = x.double()
-    xv = x.unsqueeze(0) if x.dim() == 3 else (x if seq_dim == 1 else x.transpose(1, 2))
-    c, s = cos_full.double(), sin_full.double()
-    if c.dim() == 2:
-        c, s = c[None], s[None]
-    r = c.shape[-1]
-    out = xv.clone()
-    for i in range(r // 2):
-        ia, ib = (2 * i, 2 * i + 1) if interleaved else (i, i + r // 2)
-        a, b = xv[..., ia], xv[..., ib]
-        out[..., ia] = a * c[..., ia, None] - b * s[..., ia, None]
-        out[..., ib] = b * c[..., ib, None] + a * s[..., ib, None]
-    if x.dim() == 3:
-        return out.squeeze(0)
-    return out if seq_dim == 1 else out.transpose(1, 2)
 
 
 def widen(half_rows, interleaved):
@@ -126,8 +105,8 @@ def run_case(tier, layout, B, S, HQ, HK, half_d, r_half, dtype, interleaved, for
     if form == "per_token":
         ang = torch.rand(S, r_half, generator=gen) * 20
         cos, sin = widen(ang.cos(), interleaved), widen(ang.sin(), interleaved)
-        rq = ref64(q, cos, sin, interleaved=interleaved, seq_dim=sd)
-        rk = ref64(k, cos, sin, interleaved=interleaved, seq_dim=sd)
+        rq = testing.rope_reference(q, cos, sin, interleaved=interleaved, seq_dim=sd)
+        rk = testing.rope_reference(k, cos, sin, interleaved=interleaved, seq_dim=sd)
         args = (cos, sin)
         fn_in, fn_out = rope.apply_rope_qk_inplace, rope.apply_rope_qk
     else:
@@ -137,8 +116,8 @@ def run_case(tier, layout, B, S, HQ, HK, half_d, r_half, dtype, interleaved, for
         pos = torch.randint(0, P, (S,) if (layout == "tok" or seed % 2) else (B, S), generator=gen)
         rows = cache[pos]
         cf, sf = widen(rows[..., :r_half], interleaved), widen(rows[..., r_half:], interleaved)
-        rq = ref64(q, cf, sf, interleaved=interleaved, seq_dim=sd)
-        rk = ref64(k, cf, sf, interleaved=interleaved, seq_dim=sd)
+        rq = testing.rope_reference(q, cf, sf, interleaved=interleaved, seq_dim=sd)
+        rk = testing.rope_reference(k, cf, sf, interleaved=interleaved, seq_dim=sd)
         args = (cache, pos)
         fn_in, fn_out = rope.apply_rope_qk_with_cache_inplace, rope.apply_rope_qk_with_cache
     q0, k0 = q.clone(), k.clone()
@@ -301,7 +280,7 @@ def test_strided_head_dim_goes_through_a_copy(tier):
     q = big[..., ::2]  # [1, 3, 2, 16], last-dim stride 2
     ang = torch.rand(3, 8, generator=gen)
     cos, sin = widen(ang.cos(), True), widen(ang.sin(), True)
-    want = ref64(q, cos, sin, interleaved=True, seq_dim=1)
+    want = testing.rope_reference(q, cos, sin, interleaved=True, seq_dim=1)
     out, _ = rope.apply_rope_qk(q, None, cos, sin, tier=tier)
     assert_close_to(out, want, torch.float32)
     other = big[..., 1::2].clone()
@@ -455,7 +434,7 @@ class FakeFlashInferRope(types.ModuleType):
         outs = []
         for x in (query, key):
             x3 = x.view(x.shape[0], -1, head_size)
-            outs.append(ref64(x3, cos[None], sin[None], interleaved=not is_neox, seq_dim=0)
+            outs.append(testing.rope_reference(x3, cos[None], sin[None], interleaved=not is_neox, seq_dim=0)
                         .to(x.dtype).view(x.shape[0], -1))
         return outs
 
@@ -575,8 +554,7 @@ def test_flashinfer_under_compile(fake_flashinfer):
 
 
 def _graph_breaks(fn, *args):
-    torch._dynamo.reset()
-    return torch._dynamo.explain(fn)(*args).graph_break_count
+    return testing.graph_report(fn, *args).breaks
 
 
 def _compile_case():

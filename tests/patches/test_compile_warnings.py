@@ -1,15 +1,12 @@
 """compile_warnings: diffusers' forward-time warnings without graph breaks (tiny models, CPU).
 
-The models and argument forms are those of benchmarks/graph_breaks.py (the README table).
+The models and argument forms are torchpatches.testing.GRAPH_BREAK_CASES, which
+benchmarks/graph_breaks.py measures for the README table.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
-import re
-import sys
 import warnings
-from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
@@ -18,32 +15,27 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402  (applies the patches)
+from torchpatches import testing  # noqa: E402
 from torchpatches.compile import reset_once  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location(
-    "graph_breaks", Path(__file__).resolve().parents[2] / "benchmarks" / "graph_breaks.py"
-)
-graph_breaks = importlib.util.module_from_spec(_spec)
-sys.modules["graph_breaks"] = graph_breaks  # dataclasses look their module up by name
-_spec.loader.exec_module(graph_breaks)  # type: ignore[union-attr]
-CASES = {(case.model, case.form): case for case in graph_breaks.CASES}
+CASES = {(case.model, case.form): case for case in testing.GRAPH_BREAK_CASES}
 
 TORCH_2_11 = torch.__version__.startswith("2.11")
 
 #: (model, form) -> (graphs, breaks, fullgraph ok) before the patch, as measured (torch 2.11 and 2.13).
 #: After the patch every row is (1, 0, True).
 BEFORE: Dict[Tuple[str, str], Tuple[int, int, bool]] = {
-    ("flux", "2-D ids"): (1, 0, True),
-    ("flux", "3-D ids"): (3, 2, False),
-    ("flux", "unknown attn kwarg"): (9, 8, False),
-    ("flux", "scale, no PEFT"): (1, 0, False),  # explain under-reports: fullgraph still fails
+    ("flux1", "2-D ids"): (1, 0, True),
+    ("flux1", "3-D ids"): (3, 2, False),
+    ("flux1", "unknown attn kwarg"): (9, 8, False),
+    ("flux1", "scale, no PEFT"): (1, 0, False),  # explain under-reports: fullgraph still fails
     ("flux2", "unknown attn kwarg"): (12, 11, False),
     ("flux2", "scale, no PEFT"): (1, 0, False),
     ("sd3", "unknown attn kwarg"): (6, 5, False),
     ("qwenimage", "scale, no PEFT"): (1, 0, False),
     ("wan", "scale, no PEFT"): (1, 0, False),
     ("hunyuanvideo", "scale, no PEFT"): (1, 0, False),
-    ("FeedForward", "scale= (deprecate)"): (1, 0, False),  # explain under-reports here too
+    ("feedforward", "scale= (deprecate)"): (1, 0, False),  # explain under-reports here too
 }
 
 FLUX_MODULE = "diffusers.models.transformers.transformer_flux"
@@ -60,48 +52,16 @@ def _clean() -> Iterator[None]:
     reset_once()
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: List[str] = []
-        self.sites: List[Tuple[str, int]] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-        self.sites.append((Path(record.pathname).name, record.lineno))
-
-
 @pytest.fixture
-def diffusers_log() -> Iterator[_Records]:
+def diffusers_log() -> Iterator[testing.LogRecords]:
     """Messages on the 'diffusers' logger tree (diffusers stops propagation at its root logger)."""
-    handler, root = _Records(), logging.getLogger("diffusers")
-    root.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        root.removeHandler(handler)
+    with testing.capture_logs("diffusers") as records:
+        yield records
 
 
 def _explain(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Tuple[int, int]:
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        explanation = torch._dynamo.explain(model)(**kwargs)
-    torch._dynamo.reset()
-    return explanation.graph_count, explanation.graph_break_count
-
-
-def _fullgraph_ok(model: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
-    torch._dynamo.reset()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.compile(model, backend="eager", fullgraph=True)(**kwargs)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-    finally:
-        torch._dynamo.reset()
+    report = testing.graph_report(model, **kwargs)
+    return report.graphs, report.breaks
 
 
 def _first(out: Any) -> torch.Tensor:
@@ -116,12 +76,13 @@ def test_graph_breaks_before_and_after(key: Tuple[str, str]) -> None:
     case = CASES[key]
     model = case.build()
     graphs, breaks, fullgraph = BEFORE[key]
-    with torch.no_grad(), graph_breaks.quiet():
+    with torch.no_grad(), testing.quiet():
         with torchpatches.disabled("compile_warnings"):
-            assert _explain(model, case.inputs()) == (graphs, breaks)
+            report = testing.graph_report(model, **case.inputs())
+            assert (report.graphs, report.breaks) == (graphs, breaks)
             eager_before = _first(model(**case.inputs()))
             if fullgraph:
-                assert _fullgraph_ok(model, case.inputs())
+                assert report.fullgraph
         assert _explain(model, case.inputs()) == (1, 0)
         eager_after = _first(model(**case.inputs()))
         torch._dynamo.reset()
@@ -134,18 +95,18 @@ def test_graph_breaks_before_and_after(key: Tuple[str, str]) -> None:
     torch.testing.assert_close(second, first, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("key", [("flux", "scale, no PEFT"), ("flux", "3-D ids")], ids=lambda k: k[1])
+@pytest.mark.parametrize("key", [("flux1", "scale, no PEFT"), ("flux1", "3-D ids")], ids=lambda k: k[1])
 def test_fullgraph_fails_before(key: Tuple[str, str]) -> None:
     case = CASES[key]
-    with torch.no_grad(), graph_breaks.quiet(), torchpatches.disabled("compile_warnings"):
-        assert not _fullgraph_ok(case.build(), case.inputs())
+    with torch.no_grad(), testing.quiet(), torchpatches.disabled("compile_warnings"):
+        assert not testing.graph_report(case.build(), **case.inputs()).fullgraph
 
 
 def test_attn_checks_flux() -> None:
     """DIFFUSERS_ATTN_CHECKS=1: torch 2.11 aborts the compile before the patch; both compile after."""
-    case = CASES[("flux", "DIFFUSERS_ATTN_CHECKS=1")]
+    case = CASES[("flux1", "DIFFUSERS_ATTN_CHECKS=1")]
     model = case.build()
-    with torch.no_grad(), graph_breaks.quiet(), graph_breaks.attn_checks(True):
+    with torch.no_grad(), testing.quiet(), testing.attn_checks(True):
         with torchpatches.disabled("compile_warnings"):
             expected = _first(model(**case.inputs()))
             if TORCH_2_11:
@@ -197,8 +158,10 @@ SITES = {
     [("3-D ids", FLUX_3D), ("unknown attn kwarg", FLUX_UNKNOWN), ("scale, no PEFT", FLUX_SCALE)],
 )
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_flux_messages_once_and_identical(diffusers_log: _Records, form: str, expected: List[str], compiled: bool) -> None:
-    case = CASES[("flux", form)]
+def test_flux_messages_once_and_identical(
+    diffusers_log: testing.LogRecords, form: str, expected: List[str], compiled: bool
+) -> None:
+    case = CASES[("flux1", form)]
     model = case.build()
     with torch.no_grad():
         with torchpatches.disabled("compile_warnings"):
@@ -206,8 +169,7 @@ def test_flux_messages_once_and_identical(diffusers_log: _Records, form: str, ex
         original = list(dict.fromkeys(diffusers_log.messages))  # the unpatched text, de-duplicated
         assert original == expected
         original_sites = set(diffusers_log.sites)
-        diffusers_log.messages.clear()
-        diffusers_log.sites.clear()
+        diffusers_log.records.clear()
         run = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
         for _ in range(3):
             run(**case.inputs())
@@ -217,7 +179,7 @@ def test_flux_messages_once_and_identical(diffusers_log: _Records, form: str, ex
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_deprecate_future_warning_once(compiled: bool) -> None:
-    case = CASES[("FeedForward", "scale= (deprecate)")]
+    case = CASES[("feedforward", "scale= (deprecate)")]
     model = case.build()
     run = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
     with warnings.catch_warnings(record=True) as caught:
@@ -240,27 +202,19 @@ def test_deprecate_future_warning_once(compiled: bool) -> None:
 
 def _kernel_count(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Tuple[int, int]:
     """(fused kernels defined in the generated code, graphs compiled) for one fresh Inductor compile."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    with inductor_config.patch(fx_graph_cache=False), torch.no_grad(), graph_breaks.quiet():
-        compiled = torch.compile(model, backend="inductor")
-        _, codes = run_and_get_code(compiled, **kwargs)
-    torch._dynamo.reset()
-    # CPU kernels are C++ functions named cpp_fused_*; GPU ones would be triton_* definitions.
-    kernels = sum(len(set(re.findall(r"\b(?:cpp_fused|triton_\w+?)_\w+\s*=\s*async_compile", code))) for code in codes)
-    return kernels, len(codes)
+    with testing.quiet():
+        report = testing.inductor_report(model, fullgraph=False, **kwargs)
+    return report.kernels, len(report.codes)
 
 
 @pytest.mark.slow
 def test_inductor_kernels_equal_with_2d_ids_and_fewer_graphs_with_3d_ids() -> None:
-    model = CASES[("flux", "2-D ids")].build()
+    model = CASES[("flux1", "2-D ids")].build()
     with torchpatches.disabled("compile_warnings"):
-        before_2d = _kernel_count(model, CASES[("flux", "2-D ids")].inputs())
-        before_3d = _kernel_count(model, CASES[("flux", "3-D ids")].inputs())
-    after_2d = _kernel_count(model, CASES[("flux", "2-D ids")].inputs())
-    after_3d = _kernel_count(model, CASES[("flux", "3-D ids")].inputs())
+        before_2d = _kernel_count(model, CASES[("flux1", "2-D ids")].inputs())
+        before_3d = _kernel_count(model, CASES[("flux1", "3-D ids")].inputs())
+    after_2d = _kernel_count(model, CASES[("flux1", "2-D ids")].inputs())
+    after_3d = _kernel_count(model, CASES[("flux1", "3-D ids")].inputs())
     print(f"inductor kernels/graphs: 2-D {before_2d} -> {after_2d}; 3-D {before_3d} -> {after_3d}")
     assert after_2d == before_2d
     assert before_2d[1] == 1 and after_3d[1] == 1 and before_3d[1] == 3

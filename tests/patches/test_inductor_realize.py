@@ -2,12 +2,12 @@
 before/after the patch (outputs, kernels, loop nests, buffers, bytes), the Inductor cache key,
 and the skip on torch 2.13.
 
-The programs and the measuring code live in benchmarks/inductor_realize.py (loaded below), so
-the benchmark table and these assertions are about the same programs.
+The programs and the measuring code are torchpatches.testing's (REALIZE_PROGRAMS, inductor_report),
+which benchmarks/inductor_realize.py uses too, so the benchmark table and these assertions are about
+the same programs.
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
@@ -15,14 +15,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
 
 import torchpatches
-from torchpatches import _cache_key
+from torchpatches import _cache_key, testing
 from torchpatches._gates import fingerprint, release_version
 from torchpatches._cache_key import cache_token
 from torchpatches.patches import inductor_realize
@@ -42,18 +41,6 @@ REPO = Path(__file__).resolve().parents[2]
 TORCH_MINOR = release_version(torch.__version__).release[:2]
 needs_torch_2_11 = pytest.mark.skipif(TORCH_MINOR != (2, 11), reason="the patch targets torch 2.11 only")
 needs_torch_2_13 = pytest.mark.skipif(TORCH_MINOR != (2, 13), reason="checks the skip on torch 2.13")
-
-
-def _load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_bench_inductor_realize", REPO / "benchmarks" / "inductor_realize.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
 
 
 @pytest.fixture(scope="module")
@@ -280,8 +267,8 @@ def test_decision_on_constructed_ir(
 
 # ---- equivalence: compile before/after -------------------------------------------------------
 
-# Recorded on torch 2.11.0+cu130, CPU Inductor (kernels, nests, buffers, bytes); see the module
-# docstring of benchmarks/inductor_realize.py for what each counts. ``loads`` depends on the CPU's
+# Recorded on torch 2.11.0+cu130, CPU Inductor (kernels, nests, buffers, bytes); see
+# torchpatches.testing.InductorReport for what each counts. ``loads`` depends on the CPU's
 # vector ISA (tail loops), so only its direction is asserted.
 EXPECTED: Dict[str, Dict[str, Tuple[int, int, int, int]]] = {
     "residual_chain": {"original": (1, 1, 9, 655360), "patched": (1, 2, 10, 786432)},
@@ -314,7 +301,13 @@ def _key(measurement: Any) -> Tuple[int, int, int, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("program", list(EXPECTED))
 def test_equivalence(program: str, only_this_patch: Path) -> None:
-    original, patched, eager = bench.measure_both(bench.PROGRAMS[program], torch.device("cpu"))
+    fn, args = testing.REALIZE_PROGRAMS[program].build(torch.device("cpu"))
+    with torch.no_grad():
+        eager = fn(*args)
+    with torchpatches.only():
+        original = testing.inductor_report(fn, *args)
+    with torchpatches.only(NAME):
+        patched = testing.inductor_report(fn, *args)
     for compiled in (original, patched):
         for got, want in zip(_flatten(compiled.output), _flatten(eager), strict=True):
             torch.testing.assert_close(got, want, **EAGER_TOLERANCE)
@@ -360,7 +353,7 @@ def _cached_compile(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[int,
         _, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
     after = _cache_counts()
     code = "\n".join(codes)
-    return bench.count_buffers(code), {k: after[k] - before[k] for k in after}, code
+    return testing.count_buffers(code), {k: after[k] - before[k] for k in after}, code
 
 
 def _served_from_cache(delta: Dict[str, int]) -> bool:
@@ -374,7 +367,7 @@ def test_cache_key_in_process(tmp_path: Path, only_this_patch: Path) -> None:
     import torch.compiler.config as compiler_config
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    fn, args = bench.PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
+    fn, args = testing.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
     original_buffers, patched_buffers = EXPECTED["flip_to_realize"]["original"][2], EXPECTED["flip_to_realize"]["patched"][2]
     torchpatches.revert(NAME)
     saved_tag = compiler_config.cache_key_tag  # the user's tag, without our token
@@ -478,7 +471,7 @@ def test_cache_key_across_processes(tmp_path: Path, only_this_patch: Path) -> No
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     original_buffers, patched_buffers = EXPECTED["flip_to_realize"]["original"][2], EXPECTED["flip_to_realize"]["patched"][2]
-    fn, args = bench.PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
+    fn, args = testing.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
     torchpatches.revert(NAME)
     saved_tag = compiler_config.cache_key_tag
     try:
@@ -529,11 +522,12 @@ def test_compiled_output_unchanged_on_torch_2_13(only_this_patch: Path) -> None:
     import torch._inductor.ir as ir
 
     original = ir.StorageBox.should_realize_on_reuse
-    with_torchpatches = bench.compile_and_measure(*bench.PROGRAMS["flip_to_realize"].build(torch.device("cpu")))
+    fn, args = testing.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
+    with_torchpatches = testing.inductor_report(fn, *args)
     torchpatches.revert(NAME)
     try:
         assert ir.StorageBox.should_realize_on_reuse is original
-        without = bench.compile_and_measure(*bench.PROGRAMS["flip_to_realize"].build(torch.device("cpu")))
+        without = testing.inductor_report(fn, *args)
     finally:
         torchpatches.apply(NAME)
     assert _strip_ids(with_torchpatches.code) == _strip_ids(without.code)

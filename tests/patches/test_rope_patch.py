@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -238,79 +237,25 @@ def test_replacement_keeps_the_original_name_and_doc(patched: Callable[..., torc
 
 # ---- tiny FLUX models ------------------------------------------------------------------------
 
-FLUX1_CONFIG = dict(
-    patch_size=1, in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
-    num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, guidance_embeds=True,
-    axes_dims_rope=(4, 6, 6),
-)  # fmt: skip
+
+def tiny_model(name: str, dtype: torch.dtype) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    return testing.build_model(name, dtype=dtype), testing.tiny_inputs(name, dtype=dtype)
 
 
-def build(cls: Any, dtype: torch.dtype, **config: Any) -> torch.nn.Module:
-    """Random weights created in ``dtype`` directly (casting afterwards makes diffusers warn)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        torch.manual_seed(0)
-        return cls(**config).eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(previous)
+MODELS = ("flux1", "flux2")
 
 
-def tiny_flux1(dtype: torch.dtype) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor]]:
-    from diffusers import FluxTransformer2DModel
-
-    model = build(FluxTransformer2DModel, dtype, **FLUX1_CONFIG)
-    side, text = 4, 5
-    rows = torch.arange(float(side))
-    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), rows, rows, indexing="ij"), -1)
-    inputs = dict(
-        hidden_states=torch.randn(1, side * side, 8, dtype=dtype),
-        encoder_hidden_states=torch.randn(1, text, 16, dtype=dtype),
-        pooled_projections=torch.randn(1, 8, dtype=dtype),
-        timestep=torch.tensor([0.5], dtype=dtype),
-        guidance=torch.tensor([3.5]),
-        img_ids=img_ids.reshape(-1, 3).float(),
-        txt_ids=torch.zeros(text, 3),
-    )
-    return model, inputs
-
-
-def tiny_flux2(dtype: torch.dtype) -> Tuple[torch.nn.Module, Dict[str, torch.Tensor]]:
-    from diffusers import Flux2Transformer2DModel
-
-    model = build(
-        Flux2Transformer2DModel, dtype, patch_size=1, in_channels=8, out_channels=None, num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=16, timestep_guidance_channels=16,
-        mlp_ratio=2.0, axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, eps=1e-6,
-    )  # fmt: skip
-    side, text = 4, 5
-    grid = torch.cartesian_prod(torch.zeros(1), torch.arange(float(side)), torch.arange(float(side)), torch.zeros(1))
-    inputs = dict(
-        hidden_states=torch.randn(1, side * side, 8, dtype=dtype),
-        encoder_hidden_states=torch.randn(1, text, 16, dtype=dtype),
-        timestep=torch.tensor([0.5], dtype=dtype),
-        guidance=torch.tensor([3.5]),
-        img_ids=grid[None].float(),
-        txt_ids=torch.cartesian_prod(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.arange(float(text)))[None],
-    )
-    return model, inputs
-
-
-MODELS = {"flux1": tiny_flux1, "flux2": tiny_flux2}
-
-
-def run_model(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> torch.Tensor:
+def run_model(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
-        return model(**inputs, return_dict=False)[0]
+        return model(**inputs)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", MODELS)
 def test_tiny_flux_eager_matches_and_uses_the_op(
     patched: Callable[..., torch.Tensor], op_calls: List[Tuple[int, ...]], name: str, dtype: torch.dtype
 ) -> None:
-    model, inputs = MODELS[name](dtype)
+    model, inputs = tiny_model(name, dtype)
     after = run_model(model, inputs)
     blocks = 2  # one double-stream block (joint q/k) + one single-stream block
     assert len(op_calls) == 2 * blocks, op_calls  # q and k of each block
@@ -324,24 +269,15 @@ def test_tiny_flux_eager_matches_and_uses_the_op(
 
 # ---- compiled (Inductor on the CPU) -------------------------------------------------------------
 
-_KERNEL = re.compile(r"^(cpp_fused_\w+|triton_\w+) = async_compile\.", re.MULTILINE)
-
-
-def compile_and_count(model: torch.nn.Module, inputs: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, int, str]:
+def compile_and_count(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[torch.Tensor, int, str]:
     """A fresh fullgraph compile (no FX graph cache); returns output, fused kernel count, generated code.
 
     Kernels are counted in the generated code (distinct ``cpp_fused_*`` / ``triton_*`` kernel
     definitions): ``metrics.generated_kernel_count`` counts kernel objects, not fused kernels, on CPU,
     and ``metrics.num_bytes_accessed`` stays 0 for CPU kernels, so bytes are not asserted here.
     """
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
-        compiled = torch.compile(model, fullgraph=True)
-        out, codes = run_and_get_code(lambda: compiled(**inputs, return_dict=False)[0])
-    code = "\n".join(codes)
-    return out, len(set(_KERNEL.findall(code))), code
+    report = testing.inductor_report(model, **inputs)
+    return report.output[0], report.kernels, report.code
 
 
 @pytest.mark.slow
@@ -350,7 +286,7 @@ def test_tiny_flux_compiled_fullgraph_same_kernels_and_outputs(
     op_calls: List[Tuple[int, ...]],
     record_property: Callable[[str, Any], None],
 ) -> None:
-    model, inputs = tiny_flux1(torch.float32)
+    model, inputs = tiny_model("flux1", torch.float32)
     eager = run_model(model, inputs)
     op_calls.clear()  # the eager run above went through the op; count only what tracing does
 
