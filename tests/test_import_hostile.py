@@ -1,0 +1,242 @@
+"""Issue 11: importing torchpatches never crashes, whatever the environment does to an import-time
+shim, and each odd situation gives a clear state and a true reason (or a clear ValueError for a
+wrong argument to the API)."""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+from typing import Callable, List, Tuple
+
+import pytest
+
+import torchpatches
+from torchpatches import _gates
+from torchpatches._declare import Patch, Target
+from torchpatches._registry import PatchState, Registry
+
+REPO = Path(__file__).resolve().parents[1]
+GREET = "def greet(name):\n    return 'hello ' + name\n"
+
+
+def _run(code: str, *python_flags: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), **env_vars)
+    return subprocess.run([sys.executable, *python_flags, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def _loud(original: Callable[[str], str]) -> Callable[[str], str]:
+    def greet(name: str) -> str:
+        return original(name).upper()
+
+    return greet
+
+
+def _patch(path: str, fingerprint: str, **extra) -> Patch:
+    return Patch(name="loud", summary="test", targets=(Target(path, _loud, frozenset({fingerprint})),), **extra)
+
+
+# ---- warnings as errors -----------------------------------------------------------------------
+
+
+def test_unknown_disable_name_under_warnings_as_errors_does_not_break_import() -> None:
+    result = _run(
+        """
+        import logging, torchpatches
+        print(sorted(state.state.value for state in torchpatches.status().values()) != [])
+        """,
+        "-W", "error", TORCHPATCHES_DISABLE="rope,bogus_name",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True"]
+    assert "bogus_name" in result.stderr  # still said, through the logger, when warnings raise
+
+
+def test_unknown_disable_name_under_pytest_filterwarnings_error() -> None:
+    result = _run(
+        """
+        import warnings
+        warnings.simplefilter("error")   # what pytest's filterwarnings = error does
+        import torchpatches
+        print(torchpatches.status()["rope"].state.value)
+        """,
+        TORCHPATCHES_DISABLE="rope,bogus_name",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["disabled"]
+
+
+# ---- import-policy finders ----------------------------------------------------------------------
+
+
+def test_a_finder_that_raises_something_other_than_import_error() -> None:
+    result = _run(
+        """
+        import sys
+        class Policy:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("diffusers", "triton", "flashinfer"):
+                    raise PermissionError("blocked by policy: " + name)
+                return None
+        sys.meta_path.insert(0, Policy())
+        import torchpatches
+        status = torchpatches.status()
+        print(status["rope"].state.value, "|", status["rope"].reason)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    state, reason = result.stdout.strip().split(" | ")
+    assert state == "skipped"
+    assert "PermissionError" in reason and "blocked by policy" in reason
+
+
+# ---- zips, late installs, stubs ---------------------------------------------------------------
+
+
+def test_target_imported_from_a_zip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    archive = tmp_path / "bundle.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        zf.writestr("tp_zipped/__init__.py", "")
+        zf.writestr("tp_zipped/mod.py", GREET)
+    monkeypatch.syspath_prepend(str(archive))
+    module = importlib.import_module("tp_zipped.mod")
+    original = module.greet
+    fingerprint = _gates.fingerprint(original)
+    for name in ("tp_zipped.mod", "tp_zipped"):
+        del sys.modules[name]
+    registry = Registry([_patch("tp_zipped.mod:greet", fingerprint)])
+    registry.apply()
+    assert registry.status()["loud"].state is PatchState.PENDING
+    module = importlib.import_module("tp_zipped.mod")  # through zipimport, hooked
+    try:
+        assert module.greet("a") == "HELLO A"
+        assert registry.status()["loud"].state is PatchState.APPLIED
+        registry.revert()
+        assert module.greet("a") == "hello a"
+    finally:
+        for name in ("tp_zipped.mod", "tp_zipped"):
+            sys.modules.pop(name, None)
+
+
+def test_package_installed_after_torchpatches_was_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    package = "tp_late_pkg"
+    registry = Registry([_patch(f"{package}.mod:greet", _gates.fingerprint(_compile_greet()),
+                                requires={package: ">=1.0"})])
+    registry.apply()
+    status = registry.status()["loud"]
+    assert status.state is PatchState.SKIPPED and "not installed" in status.reason
+    # "pip install" while the process runs
+    (site / package).mkdir()
+    (site / package / "__init__.py").write_text("__version__ = '1.2'\n")
+    (site / package / "mod.py").write_text(GREET)
+    importlib.invalidate_caches()
+    try:
+        assert "not installed" not in registry.status()["loud"].reason
+        module = importlib.import_module(f"{package}.mod")
+        assert module.greet("a") == "HELLO A"
+        assert registry.status()["loud"].state is PatchState.APPLIED
+        registry.revert()
+    finally:
+        for name in (f"{package}.mod", package):
+            sys.modules.pop(name, None)
+
+
+def _compile_greet():
+    namespace: dict = {}
+    exec(compile(GREET, "<greet>", "exec"), namespace)  # noqa: S102
+    return namespace["greet"]
+
+
+def test_target_module_put_in_sys_modules_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stub inserted into sys.modules never goes through the import system: still no false 'pending'."""
+    import types
+
+    stub = types.ModuleType("tp_stubbed")
+    stub.greet = lambda name: "stub"  # type: ignore[attr-defined]
+    registry = Registry([_patch("tp_stubbed:greet", "0" * 16)])
+    registry.apply()
+    monkeypatch.setitem(sys.modules, "tp_stubbed", stub)
+    status = registry.status()["loud"]
+    assert status.state is PatchState.SKIPPED, status
+    assert "tp_stubbed:greet" in status.reason
+
+
+@pytest.mark.parametrize("kind", ["magicmock", "lazy_getattr_raises", "types_stub"])
+def test_stubbed_diffusers_modules(kind: str) -> None:
+    result = _run(
+        f"""
+        import sys, types, unittest.mock
+        kind = {kind!r}
+        if kind == "magicmock":
+            for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
+                sys.modules[name] = unittest.mock.MagicMock(name=name)
+        elif kind == "lazy_getattr_raises":
+            class Lazy(types.ModuleType):
+                def __getattr__(self, attribute):
+                    raise RuntimeError("lazy import of " + attribute + " failed")
+            for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
+                sys.modules[name] = Lazy(name)
+        else:
+            for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
+                sys.modules[name] = types.ModuleType(name)
+            sys.modules["diffusers.models.embeddings"].apply_rotary_emb = lambda *a, **k: None
+        import torchpatches
+        status = torchpatches.status()["rope"]
+        print(status.state.value, "|", status.reason)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    state, reason = result.stdout.strip().split(" | ")
+    assert state == "skipped", reason
+    assert "diffusers" in reason
+
+
+def test_optimized_and_stripped_docstrings() -> None:
+    result = _run(
+        """
+        import torchpatches
+        import diffusers.models.embeddings as emb
+        import diffusers.models.transformers.transformer_flux
+        original = emb.apply_rotary_emb.__torchpatches_original__
+        status = torchpatches.status()
+        print(status["rope"].state.value, status["compile_warnings"].state.value)
+        torchpatches.revert()
+        print(emb.apply_rotary_emb is original)
+        """,
+        "-OO",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["applied", "applied", "True"]
+
+
+# ---- wrong argument types to the API ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [123, b"rope", ["rope", None], [["rope"]], 1.5, "", "  ", object()])
+@pytest.mark.parametrize("call", ["apply", "revert"])
+def test_wrong_argument_types_raise_a_clear_value_error(call: str, bad: object) -> None:
+    before = {name: entry.state for name, entry in torchpatches.status().items()}
+    with pytest.raises(ValueError, match="patch name"):
+        getattr(torchpatches, call)(bad)
+    assert {name: entry.state for name, entry in torchpatches.status().items()} == before
+
+
+@pytest.mark.parametrize("bad", [123, b"rope", None, ""])
+def test_wrong_argument_types_to_disabled(bad: object) -> None:
+    with pytest.raises(ValueError, match="patch name"):
+        with torchpatches.disabled(bad):  # type: ignore[arg-type]
+            pass
+
+
+def test_disabled_accepts_a_list_like_apply_and_revert() -> None:
+    before = torchpatches.status()["rope"].state
+    with torchpatches.disabled(["rope"]):  # type: ignore[arg-type]
+        assert torchpatches.status()["rope"].state.value == "disabled"
+    assert torchpatches.status()["rope"].state is before
