@@ -178,8 +178,10 @@ def test_stubbed_diffusers_modules(kind: str) -> None:
             for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
                 sys.modules[name] = unittest.mock.MagicMock(name=name)
         elif kind == "lazy_getattr_raises":
-            class Lazy(types.ModuleType):
+            class Lazy(types.ModuleType):  # like diffusers' _LazyModule when a submodule fails to import
                 def __getattr__(self, attribute):
+                    if attribute.startswith("__"):
+                        raise AttributeError(attribute)
                     raise RuntimeError("lazy import of " + attribute + " failed")
             for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
                 sys.modules[name] = Lazy(name)

@@ -1,31 +1,30 @@
 """Make Inductor's compile caches see which Inductor-internal patches are active.
 
 A patch such as ``inductor_realize`` changes the code Inductor generates without changing the
-FX graph, so the FX graph cache and the AOTAutograd cache (whose keys hash the graph, the
-inputs, the configs and the torch sources) would serve an artifact compiled *without* the
-patch to a patched process, and the other way round. ``torch.compiler.config.cache_key_tag``
-(env ``TORCH_COMPILE_CACHE_KEY_TAG``, torch >= 2.6; verified on 2.11 and 2.13) is hashed into
-both keys: ``FxGraphHashDetails.__init__`` stores it and ``AOTAutogradCacheDetails`` subclasses
-``FxGraphHashDetails``. It also enters the autotune-cache and PGO (automatic-dynamic) keys, so
-patched and unpatched runs keep separate profiles too.
+FX graph, so the FX graph cache and the AOTAutograd cache would serve an artifact compiled
+*without* the patch to a patched process, and the other way round.
 
-We append one token per active patch to whatever tag the user set, and remove exactly that
-token again, so the user's own tag is never overwritten. The environment variable is left
-alone: a child process that imports torchpatches adds its own tokens, and one that does not is
-not patched and must not claim to be.
+Mechanism: a key component that Inductor computes at lookup time. Both caches build their key by
+pickling a details object: ``torch._inductor.codecache.FxGraphHashDetails`` for the FX graph cache,
+and its subclass ``AOTAutogradCacheDetails`` for the AOTAutograd cache (verified on torch 2.11, 2.13
+and pytorch main). We wrap ``FxGraphHashDetails.__init__`` once: after the original ran, it adds one
+attribute, ``torchpatches``, holding the tokens of the Inductor patches in effect *for this compile*,
+so they are pickled into the key (and show in the cache's debug lines). With no token active it
+adds nothing, so a process with no Inductor patch applied shares keys with plain torch.
 
-Threads: on torch 2.11 the tag is one process-wide value. On torch 2.13 (verified; maybe 2.12)
-config overrides live in ``ContextVar``s, so a value set by attribute is seen by the setting
-thread / context only. There we write the tokens into the process-wide layer under the overrides
-(the ``TORCH_COMPILE_CACHE_KEY_TAG`` value read at import, else the default), which every thread
-and context without its own override reads, and restore that layer exactly when the last token
-goes; the calling context's own override, if it has one, is updated as well. Another thread's or
-context's own override of the tag cannot be reached (:func:`tag_is_thread_local` says whether
-this torch works that way).
+Why not ``torch.compiler.config.cache_key_tag`` (what this module did before): it is the user's.
+A plain assignment, ``config.patch(cache_key_tag=...)`` (including a first compile inside such a
+block, where Inductor patches apply) or, on torch >= 2.13, another thread's override all dropped
+the token while the patch stayed applied, and a patched process was served an unpatched artifact.
+The component here is read at every lookup from what is applied now; nothing the user does with
+their own tag can remove it.
 
-On a torch without ``cache_key_tag`` (before 2.6) nothing is changed and a warning says that
-patched and unpatched compiles may share cache entries; :func:`is_supported` lets the
-registry decide what to do (no Inductor patch we ship targets such a torch).
+Where Inductor lowers a graph in a child process (``TORCHINDUCTOR_FX_COMPILE_MODE=subprocess``,
+``async+...``, ``progressive+...``), the child does not import torchpatches, so its code is
+unpatched: the component is then empty (the key does not claim the patch) and
+:func:`lowering_elsewhere` says why, for ``status()``. Inductor's compile *workers*
+(``compile_threads``) only compile kernel source that was generated in this process, after
+lowering, so they need nothing.
 
 A patch's token (:func:`cache_token`) names the patch, the original it replaced and the patch's own
 code; :func:`add_patch_token` is what a target slot calls when it swaps such a patch in, and
@@ -33,9 +32,12 @@ code; :func:`add_patch_token` is what a target slot calls when it swaps such a p
 """
 from __future__ import annotations
 
-import contextvars
+import functools
+import hashlib
 import inspect
 import logging
+import marshal
+import os
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, List, Optional, Tuple
@@ -45,85 +47,20 @@ from . import _gates
 if TYPE_CHECKING:
     from ._declare import Patch, Target
 
-__all__ = [
-    "SEPARATOR",
-    "cache_token",
-    "add_patch_token",
-    "add_token",
-    "remove_token",
-    "active_tokens",
-    "is_supported",
-    "tag_is_thread_local",
-]
+__all__ = ["SEPARATOR", "cache_token", "add_patch_token", "add_token", "remove_token", "active_tokens",
+           "key_component", "lowering_elsewhere", "is_supported", "KEY_ATTRIBUTE"]
 
 logger = logging.getLogger("torchpatches")
 
-# Between the user's tag and each of our tokens. Tokens look like
-# "torchpatches:inductor_realize@1d32e5f50cbc847e", so they never contain it.
+#: Tokens look like "torchpatches:inductor_realize@1d32e5f50cbc847e.<patch code>" and never contain it.
 SEPARATOR = ";"
+#: The attribute added to Inductor's cache-key details (and so to the key).
+KEY_ATTRIBUTE = "torchpatches"
+_HOOK_MARK = "__torchpatches_cache_key_hook__"
+_FX_COMPILE_MODE_ENV = "TORCHINDUCTOR_FX_COMPILE_MODE"
 
 _lock = threading.RLock()
-# Our tokens, in the order they were added. The tag we last wrote is always
-# user_tag + "".join(SEPARATOR + token ...) unless someone changed the tag since.
 _tokens: List[str] = []
-_warned_unsupported = False
-# Thread-local-config torch only: the process-wide layer's value before our first token.
-_global_base: Optional[str] = None
-
-
-def _compiler_config() -> Optional[Any]:
-    """``torch.compiler.config`` if this torch has ``cache_key_tag``, else None (imports nothing heavy)."""
-    try:
-        import torch.compiler.config as compiler_config
-    except ImportError:
-        return None
-    return compiler_config if hasattr(compiler_config, "cache_key_tag") else None
-
-
-def is_supported() -> bool:
-    """Whether this torch has a cache-key tag that our tokens can enter."""
-    return _compiler_config() is not None
-
-
-def tag_is_thread_local() -> bool:
-    """Whether this torch keeps config overrides per thread/context (ContextVar), as 2.13 does."""
-    config = _compiler_config()
-    entry = getattr(config, "_config", {}).get("cache_key_tag") if config is not None else None
-    return isinstance(getattr(entry, "user_override", None), contextvars.ContextVar)
-
-
-def _process_wide_layer(config: Any) -> Optional[Tuple[Any, str]]:
-    """(config entry, attribute) holding the tag for contexts without an override; None on 2.11."""
-    if not tag_is_thread_local():
-        return None
-    entry = config._config["cache_key_tag"]
-    unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
-    from_env = getattr(entry, "env_value_default", unset)
-    return entry, ("env_value_default" if from_env is not unset else "default")
-
-
-def _set_current_tag(config: Any, value: str) -> None:
-    """Set the tag this context reads: its override on 2.11; on thread-local torch only an existing one."""
-    layer = _process_wide_layer(config)
-    if layer is not None:
-        unset = getattr(sys.modules.get("torch.utils._config_module"), "_UNSET_SENTINEL", None)
-        if layer[0].user_override.get() is unset:
-            return  # this context reads the process-wide layer, which _sync_process_wide_layer writes
-    config.cache_key_tag = value
-
-
-def _sync_process_wide_layer(config: Any) -> None:
-    """Mirror our tokens into the layer that threads without their own override read."""
-    global _global_base
-    layer = _process_wide_layer(config)
-    if layer is None:
-        return
-    entry, attribute = layer
-    if _global_base is None:
-        _global_base = getattr(entry, attribute)
-    setattr(entry, attribute, _global_base + _suffix(_tokens))
-    if not _tokens:
-        _global_base = None
 
 
 def active_tokens() -> List[str]:
@@ -132,79 +69,115 @@ def active_tokens() -> List[str]:
         return list(_tokens)
 
 
-def _suffix(tokens: List[str]) -> str:
-    return "".join(SEPARATOR + token for token in tokens)
+def lowering_elsewhere() -> Optional[str]:
+    """None when Inductor lowers graphs in this process; else a sentence saying where and why that
+    matters (the child process does not import torchpatches, so Inductor patches are not in effect)."""
+    compile_fx = sys.modules.get("torch._inductor.compile_fx")
+    if compile_fx is not None and hasattr(compile_fx, "fx_compile_mode"):
+        mode = getattr(compile_fx.fx_compile_mode, "name", str(compile_fx.fx_compile_mode)).upper()
+        in_process = mode in ("NORMAL", "SERIALIZE")
+        if in_process and not (getattr(compile_fx, "fx_compile_async", False)
+                               or getattr(compile_fx, "fx_compile_progressive", False)):
+            return None
+        shown = os.environ.get(_FX_COMPILE_MODE_ENV) or mode.lower()
+    else:  # Inductor not loaded yet: read the variable the way compile_fx will
+        shown = os.environ.get(_FX_COMPILE_MODE_ENV)
+        if not shown:
+            return None
+        value = shown.lower()
+        for prefix in ("progressive+", "async+"):
+            if value.startswith(prefix):
+                return _elsewhere_reason(shown)
+        if value.upper() not in ("SUBPROCESS",):
+            return None  # NORMAL, SERIALIZE (in process) or a value Inductor rejects (then NORMAL)
+    return _elsewhere_reason(shown)
 
 
-def _user_tag(current: str) -> str:
-    """The user's part of ``current``: the tag without the suffix of our tokens.
-
-    If the user replaced the tag after we added tokens (so our suffix is gone), the whole
-    tag is theirs; any of our tokens still inside it are removed individually by the caller.
-    """
-    suffix = _suffix(_tokens)
-    if suffix and current.endswith(suffix):
-        return current[: -len(suffix)]
-    return current
+def _elsewhere_reason(shown: str) -> str:
+    return (f"not in effect: {_FX_COMPILE_MODE_ENV}={shown} lowers graphs in a child process that does not "
+            "import torchpatches (Inductor's cache key does not claim this patch there)")
 
 
-def _strip_token(tag: str, token: str) -> str:
-    """Remove one stray ``token`` from a tag that no longer ends with our suffix."""
-    parts = tag.split(SEPARATOR)
-    if token in parts:
-        parts.remove(token)
-    return SEPARATOR.join(parts)
+def key_component() -> Tuple[str, ...]:
+    """What enters Inductor's cache key now: the active tokens, or () where lowering happens elsewhere."""
+    with _lock:
+        tokens = tuple(_tokens)
+    if not tokens or lowering_elsewhere() is not None:
+        return ()
+    return tokens
 
 
-def _warn_unsupported_once() -> None:
-    global _warned_unsupported
-    if not _warned_unsupported:
-        _warned_unsupported = True
-        logger.warning(
-            "torch.compiler.config.cache_key_tag does not exist in this torch: Inductor's caches "
-            "cannot tell patched from unpatched compiles (set TORCHINDUCTOR_FX_GRAPH_CACHE=0 to be safe)"
-        )
+def _details_classes() -> List[type]:
+    """Inductor's cache-key detail classes whose ``__init__`` we wrap (imported: Inductor is loaded)."""
+    from torch._inductor.codecache import FxGraphHashDetails
+
+    classes: List[type] = [FxGraphHashDetails]
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCacheDetails
+    except ImportError:  # no AOTAutograd cache on this torch: nothing to cover
+        return classes
+    if not issubclass(AOTAutogradCacheDetails, FxGraphHashDetails):  # covered through super() otherwise
+        classes.append(AOTAutogradCacheDetails)
+    return classes
+
+
+def _hooked_init(init: Any) -> Any:
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        # Looked up by name, not closed over: after torchpatches is imported again (a reload, or
+        # removed from sys.modules), the tokens of the module now in use are the ones that count.
+        module = sys.modules.get(__name__)
+        component = module.key_component() if module is not None else ()
+        if component:
+            setattr(self, KEY_ATTRIBUTE, component)
+
+    setattr(__init__, _HOOK_MARK, True)
+    return __init__
+
+
+def install_hook() -> None:
+    """Wrap the cache-key details once per process (idempotent). Raises if this torch has no such class."""
+    for cls in _details_classes():
+        init = cls.__dict__.get("__init__")
+        if init is None or not callable(init):
+            raise RuntimeError(f"{cls.__qualname__} has no __init__ of its own; cannot enter Inductor's cache key")
+        if getattr(init, _HOOK_MARK, False):
+            continue
+        cls.__init__ = _hooked_init(init)
+
+
+def is_supported() -> bool:
+    """Whether this torch has the cache-key details class our tokens can enter (imports Inductor)."""
+    try:
+        _details_classes()
+    except ImportError:
+        return False
+    return True
 
 
 def add_token(token: str) -> None:
-    """Append ``token`` to the cache-key tag, after the user's tag; a no-op if already there."""
-    if not token or SEPARATOR in token:
-        raise ValueError(f"cache-key token {token!r} must be non-empty and contain no {SEPARATOR!r}")
-    config = _compiler_config()
+    """Make ``token`` part of Inductor's cache key while it is active; a no-op if it already is.
+
+    Raises (and adds nothing) when the key cannot be reached on this torch: an Inductor patch that
+    cannot enter the key must not apply.
+    """
+    if not isinstance(token, str) or not token or SEPARATOR in token:
+        raise ValueError(f"cache-key token {token!r} must be a non-empty str without {SEPARATOR!r}")
     with _lock:
         if token in _tokens:
             return
-        if config is None:
-            _tokens.append(token)
-            _warn_unsupported_once()
-            return
-        user_tag = _user_tag(config.cache_key_tag)
+        install_hook()
         _tokens.append(token)
-        _set_current_tag(config, user_tag + _suffix(_tokens))
-        _sync_process_wide_layer(config)
-        logger.debug("Inductor cache_key_tag is now %r", config.cache_key_tag)
+    logger.debug("torchpatches: Inductor cache-key tokens are now %r", _tokens)
 
 
 def remove_token(token: str) -> None:
-    """Remove ``token`` from the cache-key tag; with no tokens left the user's tag is back exactly."""
-    config = _compiler_config()
+    """Take ``token`` out of Inductor's cache key; a no-op if it is not active."""
     with _lock:
-        if token not in _tokens:
-            return
-        if config is None:
+        if token in _tokens:
             _tokens.remove(token)
-            return
-        current = config.cache_key_tag
-        ours_intact = current.endswith(_suffix(_tokens))
-        user_tag = _user_tag(current)
-        _tokens.remove(token)
-        if ours_intact:
-            _set_current_tag(config, user_tag + _suffix(_tokens))
-        else:
-            # Someone rewrote the tag since we added tokens; take out only what is ours.
-            _set_current_tag(config, _strip_token(current, token))
-        _sync_process_wide_layer(config)
-        logger.debug("Inductor cache_key_tag is now %r", config.cache_key_tag)
+    logger.debug("torchpatches: Inductor cache-key tokens are now %r", _tokens)
 
 
 def cache_token(patch: "Patch", target: "Target", original_fingerprint: str) -> str:
@@ -212,10 +185,19 @@ def cache_token(patch: "Patch", target: "Target", original_fingerprint: str) -> 
 
     It names the original it replaced and the code of the patch itself (the module that builds
     the replacement), so neither a different torch nor a newer torchpatches is served artifacts
-    compiled under the other.
+    compiled under the other. Where that module has no readable source (``python -c``, a zip or a
+    wheel without .py files) the bytecode of ``make_replacement`` stands in: never a shared
+    placeholder, which would let two different patch codes share cache entries.
     """
     patch_module = inspect.getmodule(target.make_replacement)
-    patch_code = _gates.fingerprint(patch_module) if patch_module is not None else "unknown"
+    try:
+        if patch_module is None:
+            raise TypeError("no module")
+        patch_code = _gates.fingerprint(patch_module)
+    except (OSError, TypeError):
+        code = getattr(target.make_replacement, "__code__", None)
+        blob = marshal.dumps(code) if code is not None else repr(target.make_replacement).encode()
+        patch_code = "b" + hashlib.sha256(blob).hexdigest()[:15]
     return f"torchpatches:{patch.name}@{original_fingerprint}.{patch_code}"
 
 

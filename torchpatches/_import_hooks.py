@@ -1,5 +1,9 @@
 """Run callbacks right after a module is imported, without importing anything eagerly.
 
+``when_imported(name, cb)`` fires once, at the first import; ``on_every_load(name, cb)`` fires after
+every load of the module's body: the first import, ``importlib.reload(module)`` and an import after
+``del sys.modules[name]`` (all go through ``sys.meta_path``), so a patch can follow a reload.
+
 A finder at the front of ``sys.meta_path`` notices imports of watched module names, asks the
 other finders for the real spec and wraps that spec's loader instance so that, once the module
 body has run, the callbacks fire. The module object, its ``__loader__`` and ``__spec__`` stay
@@ -24,20 +28,28 @@ logger = logging.getLogger("torchpatches")
 
 Callback = Callable[[object], None]
 
-__all__ = ["when_imported", "is_imported"]
+__all__ = ["when_imported", "on_every_load", "is_imported"]
 
 _lock = threading.RLock()
 _callbacks: Dict[str, List[Callback]] = {}
+_every_load: Dict[str, List[Callback]] = {}
 _resolving = threading.local()
 
 
 def is_imported(name: str) -> bool:
-    """True when ``name`` is in ``sys.modules`` and its body has finished running."""
+    """True when ``name`` is in ``sys.modules`` and its body has finished running.
+
+    Stubs count as imported (a ``MagicMock`` or a module made by hand and put in ``sys.modules``):
+    only the import system's own flag, ``__spec__._initializing is True``, means "still running".
+    """
     module = sys.modules.get(name)
     if module is None:
         return False
-    spec = getattr(module, "__spec__", None)
-    return not getattr(spec, "_initializing", False)
+    try:
+        spec = getattr(module, "__spec__", None)
+        return getattr(spec, "_initializing", False) is not True
+    except Exception:  # noqa: BLE001 - a stub whose attribute access raises: its body is not ours to wait for
+        return True
 
 
 def when_imported(name: str, callback: Callback) -> None:
@@ -48,6 +60,18 @@ def when_imported(name: str, callback: Callback) -> None:
             _install_finder()
             return
     _run_callbacks(name, sys.modules[name], [callback])
+
+
+def on_every_load(name: str, callback: Callback) -> None:
+    """Call ``callback(module)`` after every load of ``name`` from now on (not for a load already done).
+
+    Registering the same callback twice keeps one.
+    """
+    with _lock:
+        callbacks = _every_load.setdefault(name, [])
+        if callback not in callbacks:
+            callbacks.append(callback)
+        _install_finder()
 
 
 def _install_finder() -> None:
@@ -66,19 +90,28 @@ def _run_callbacks(name: str, module: object, callbacks: Sequence[Callback]) -> 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):  # type: ignore[override]
         with _lock:
-            if fullname not in _callbacks:
+            if fullname not in _callbacks and fullname not in _every_load:
                 return None
-        if getattr(_resolving, "active", False):
+        resolving = _resolving.__dict__.setdefault("names", set())
+        if fullname in resolving:  # our own query to the other finders, for this name
             return None
-        spec = self._spec_from_other_finders(fullname, path, target)
+        spec = self._spec_from_other_finders(fullname, path, target, resolving)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        if isinstance(spec.loader, type):
+            # BuiltinImporter / FrozenImporter are classes used as loaders: an attribute set on them
+            # would hook every builtin module. Leave the import alone; the registry notices the
+            # module in sys.modules the next time it is asked (status, apply).
             return spec
         _wrap_exec_module(spec.loader, fullname)
         return spec
 
     @staticmethod
-    def _spec_from_other_finders(fullname, path, target) -> Optional[importlib.machinery.ModuleSpec]:
-        _resolving.active = True
+    def _spec_from_other_finders(fullname, path, target, resolving) -> Optional[importlib.machinery.ModuleSpec]:
+        # Only this name is skipped while we ask: a finder that imports other watched modules
+        # from its find_spec still gets them hooked. Exceptions from other finders propagate: the
+        # import would raise them without us too.
+        resolving.add(fullname)
         try:
             for finder in sys.meta_path:
                 if isinstance(finder, _PostImportFinder) or not hasattr(finder, "find_spec"):
@@ -88,7 +121,7 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
                     return spec
             return None
         finally:
-            _resolving.active = False
+            resolving.discard(fullname)
 
 
 def _wrap_exec_module(loader, fullname: str) -> None:
@@ -101,7 +134,7 @@ def _wrap_exec_module(loader, fullname: str) -> None:
         finally:
             _unwrap(loader, original_exec, had_instance_attr)
         with _lock:
-            callbacks = _callbacks.pop(fullname, [])
+            callbacks = _callbacks.pop(fullname, []) + list(_every_load.get(fullname, ()))
         _run_callbacks(fullname, module, callbacks)
 
     try:

@@ -128,12 +128,13 @@ def test_applied_reverted_and_reapplied_by_identity(
     assert patched is not original and patched.__module__ == inductor_realize.__name__
     torchpatches.apply(NAME)  # idempotent: the same replacement stays
     assert ir.StorageBox.should_realize_on_reuse is patched
-    assert compiler_config.cache_key_tag.endswith(";" + TOKEN)
+    assert _cache_key.key_component() == (TOKEN,)
+    assert TOKEN not in compiler_config.cache_key_tag  # the user's tag is theirs alone
     torchpatches.revert(NAME)
     try:
         assert torchpatches.status()[NAME].state.value == "disabled"
         assert ir.StorageBox.should_realize_on_reuse is original
-        assert TOKEN not in compiler_config.cache_key_tag
+        assert _cache_key.key_component() == ()
     finally:
         torchpatches.apply(NAME)
     assert ir.StorageBox.should_realize_on_reuse is not original
@@ -378,7 +379,7 @@ def test_cache_key_in_process(tmp_path: Path, only_this_patch: Path) -> None:
             assert (buffers, _served_from_cache(delta), delta["fx_miss"]) == (original_buffers, False, 1)
 
             torchpatches.apply(NAME)
-            assert compiler_config.cache_key_tag == "user-tag;" + TOKEN
+            assert compiler_config.cache_key_tag == "user-tag" and _cache_key.key_component() == (TOKEN,)
             buffers, delta, patched_code = _cached_compile(fn, args)
             assert (buffers, _served_from_cache(delta), delta["fx_miss"]) == (patched_buffers, False, 1)
 
@@ -409,7 +410,7 @@ def test_cache_key_in_process(tmp_path: Path, only_this_patch: Path) -> None:
 
 _SUBPROCESS_COMPILE = textwrap.dedent(
     """
-    import json, sys, torch, torchpatches
+    import json, sys, torch, torchpatches, torchpatches._cache_key
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
@@ -434,6 +435,7 @@ _SUBPROCESS_COMPILE = textwrap.dedent(
         return {
             "state": torchpatches.status()["inductor_realize"].state.value,
             "tag": torch.compiler.config.cache_key_tag,
+            "key_component": list(torchpatches._cache_key.key_component()),
             "buffers": code.count("empty_strided_cpu("),
             "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
             "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
@@ -484,12 +486,12 @@ def test_cache_key_across_processes(tmp_path: Path, only_this_patch: Path) -> No
         torchpatches.apply(NAME)
 
     patched, reverted = _compile_in_subprocess(tmp_path, disable="")
-    # The token joined the key before the child's first compile computed it (the patch applied
+    # The token is in the key component computed at lookup the child's first compile computed it (the patch applied
     # when that compile imported torch._inductor.ir), so the child compiled its own artifact.
-    assert patched["state"] == "applied" and patched["tag"] == "user-tag;" + TOKEN
+    assert patched["state"] == "applied" and patched["tag"] == "user-tag" and patched["key_component"] == [TOKEN]
     assert (patched["buffers"], patched["fx_miss"], patched["fx_hit"], patched["aot_hit"]) == (patched_buffers, 1, 0, 0)
     # After revert the tag is the user's again and this process's unpatched artifact is served.
-    assert reverted["state"] == "disabled" and reverted["tag"] == "user-tag"
+    assert reverted["state"] == "disabled" and reverted["key_component"] == []
     assert reverted["buffers"] == original_buffers and (reverted["fx_hit"] or reverted["aot_hit"])
 
 
