@@ -4,6 +4,7 @@ wrong argument to the API)."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -127,7 +128,7 @@ def test_package_installed_after_torchpatches_was_imported(tmp_path: Path, monke
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
     package = "tp_late_pkg"
-    registry = Registry([_patch(f"{package}.mod:greet", _gates.fingerprint(_compile_greet()),
+    registry = Registry([_patch(f"{package}.mod:greet", _fingerprint_of_greet(tmp_path),
                                 requires={package: ">=1.0"})])
     registry.apply()
     status = registry.status()["loud"]
@@ -148,10 +149,14 @@ def test_package_installed_after_torchpatches_was_imported(tmp_path: Path, monke
             sys.modules.pop(name, None)
 
 
-def _compile_greet():
-    namespace: dict = {}
-    exec(compile(GREET, "<greet>", "exec"), namespace)  # noqa: S102
-    return namespace["greet"]
+def _fingerprint_of_greet(tmp_path: Path) -> str:
+    """The fingerprint GREET has in any module (it hashes the function's source)."""
+    path = tmp_path / "tp_greet_source.py"
+    path.write_text(GREET)
+    spec = importlib.util.spec_from_file_location("tp_greet_source", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return _gates.fingerprint(module.greet)
 
 
 def test_target_module_put_in_sys_modules_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:

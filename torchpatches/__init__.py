@@ -92,7 +92,15 @@ def revert(name: Names = None) -> Status:
 
 @contextlib.contextmanager
 def disabled(*names: str) -> Iterator[None]:
-    """Revert the named patches (all if none named) for the ``with`` block; re-apply those that were on."""
+    """Revert the named patches (all if none named) for the ``with`` block; re-apply those that were on.
+
+    ``disabled("a", "b")`` and ``disabled(["a", "b"])`` are the same; names are checked as by ``apply``.
+    """
+    if len(names) == 1 and not isinstance(names[0], (str, bytes, bytearray)) and names[0] is not None:
+        try:
+            names = tuple(names[0])  # one list of names, as apply() and revert() take
+        except TypeError:
+            pass  # not iterable: resolve_names says what is wrong with it
     chosen = _registry.resolve_names(names or None)
     were_on = [name for name in chosen if _registry.is_wanted(name)]
     _registry.revert(were_on, "disabled by torchpatches.disabled()")

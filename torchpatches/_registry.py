@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+import weakref
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from . import _gates
 from ._declare import Patch
-from ._import_hooks import is_imported, when_imported
+from ._import_hooks import is_imported, on_every_load
 from ._slot import SkipTarget, Slot, verify_dependency
-from ._status import PatchState, PatchStatus, Status, summarise
+from ._status import PatchState, PatchStatus, Status, TargetStatus, summarise
 
 logger = logging.getLogger("torchpatches")
 
@@ -28,6 +29,7 @@ class _Entry:
         self.wanted = False
         self.off_reason = "not applied yet"
         self.gate_reason: Optional[str] = None
+        self.early_gated = False  # gate_reason says a required package is not installed (re-checked)
 
 
 class Registry:
@@ -37,6 +39,7 @@ class Registry:
         self._lock = threading.RLock()
         self._entries: Dict[str, _Entry] = {}
         self._load_errors: Dict[str, str] = dict(load_errors or {})
+        self._watched: Set[str] = set()  # target modules whose every load we follow
         for patch in patches:
             if patch.name in self._entries or patch.name in self._load_errors:
                 raise ValueError(f"two patches are named {patch.name!r}")
@@ -49,11 +52,22 @@ class Registry:
         return tuple(self._entries)
 
     def resolve_names(self, names: Optional[Iterable[str]]) -> Tuple[str, ...]:
-        """Validate patch names (None means all); unknown names raise ValueError naming them."""
+        """Validate patch names (None means all): a str or an iterable of str. Unknown names, and
+        anything that is not a patch name at all (bytes, numbers, None, nested lists, ""), raise
+        ValueError naming them, before anything changes."""
         if names is None:
             return self.names
         if isinstance(names, str):
             names = (names,)
+        elif isinstance(names, (bytes, bytearray)) or not _is_iterable(names):
+            raise ValueError(f"patch names must be a str or an iterable of str, got {type(names).__name__} {names!r}")
+        names = tuple(names)
+        wrong = [name for name in names if not isinstance(name, str) or not name.strip()]
+        if wrong:
+            raise ValueError(
+                "each patch name must be a non-empty str, got "
+                + ", ".join(f"{type(name).__name__} {name!r}" for name in wrong)
+            )
         chosen = tuple(dict.fromkeys(name.strip().lower() for name in names))
         unknown = [name for name in chosen if name not in self._entries]
         if unknown:
@@ -93,6 +107,7 @@ class Registry:
 
     def status(self) -> Status:
         with self._lock:
+            self._catch_up()
             broken = [
                 PatchStatus(name, PatchState.FAILED, f"patch module did not load: {error}", "", ())
                 for name, error in self._load_errors.items()
@@ -103,28 +118,78 @@ class Registry:
 
     def _apply_entry(self, entry: _Entry) -> None:
         entry.wanted = True
+        self._follow_loads(entry)
         entry.gate_reason = self._early_gate(entry.patch)
-        if entry.gate_reason is not None:
-            return
+        entry.early_gated = entry.gate_reason is not None
+        if entry.early_gated:
+            return  # the target modules stay watched: a package installed later still gets patched
         for slot in entry.slots:
-            if slot.state is not PatchState.APPLIED:
-                self._apply_when_imported(entry, slot)
+            self._converge(entry, slot)
 
-    def _apply_when_imported(self, entry: _Entry, slot: Slot) -> None:
+    def _converge(self, entry: _Entry, slot: Slot, module: Any = None) -> None:
+        """For a wanted patch: make this slot's replacement what the target holds, if it can be.
+
+        Applied and still bound: nothing to do. Applied but rebound since (a reload of the module ran
+        its body again, or someone else bound something): look again, as on a first import.
+        """
+        if slot.state is PatchState.APPLIED:
+            if slot.is_in_effect():
+                return
+            slot.drop_token()
         module_name = slot.target.module
-        if is_imported(module_name):
-            self._apply_slot(entry, slot, sys.modules[module_name])
+        if module is None and is_imported(module_name):
+            module = sys.modules[module_name]
+        if module is not None:
+            self._apply_slot(entry, slot, module)
             return
         slot.set(PatchState.PENDING, f"waits for {module_name} to be imported")
-        if not slot.watching:
-            slot.watching = True
-            when_imported(module_name, lambda module, e=entry, s=slot: self._on_target_module(e, s, module))
 
-    def _on_target_module(self, entry: _Entry, slot: Slot, module: Any) -> None:
+    def _follow_loads(self, entry: _Entry) -> None:
+        """Watch every load of each target module (first import, reload, re-import) once per registry.
+
+        The hook holds the registry weakly: a registry replaced by ``reload(torchpatches)`` stops acting.
+        """
+        me = weakref.ref(self)
+        for slot in entry.slots:
+            name = slot.target.module
+            if name not in self._watched:
+                self._watched.add(name)
+                on_every_load(name, lambda module, n=name: _call_if_alive(me, n, module))
+
+    def _on_module_load(self, module_name: str, module: Any) -> None:
+        """Right after the body of ``module_name`` ran (it is still marked as initializing then)."""
         with self._lock:
-            slot.watching = False
-            if entry.wanted and slot.state is PatchState.PENDING:
-                self._apply_slot(entry, slot, module)
+            for entry in self._entries.values():
+                if not entry.wanted or not any(slot.target.module == module_name for slot in entry.slots):
+                    continue
+                if entry.early_gated:
+                    entry.gate_reason = self._early_gate(entry.patch)
+                    entry.early_gated = entry.gate_reason is not None
+                    if entry.early_gated:
+                        continue
+                for slot in entry.slots:
+                    if slot.target.module == module_name:
+                        self._converge(entry, slot, module)
+
+    def _catch_up(self) -> None:
+        """Before reporting: targets whose module arrived without the import hook (a stub put in
+        ``sys.modules`` by hand, a class loader), and packages installed since the early gate said no."""
+        for entry in self._entries.values():
+            if not entry.wanted:
+                continue
+            if entry.early_gated:
+                entry.gate_reason = self._early_gate(entry.patch)
+                entry.early_gated = entry.gate_reason is not None
+                if entry.early_gated:
+                    continue
+                if entry.gate_reason is None:
+                    for slot in entry.slots:
+                        if slot.state is not PatchState.APPLIED:
+                            self._converge(entry, slot)
+                    continue
+            for slot in entry.slots:
+                if slot.state is PatchState.PENDING and is_imported(slot.target.module):
+                    self._converge(entry, slot)
 
     def _apply_slot(self, entry: _Entry, slot: Slot, module: Any) -> None:
         if not self._passes_full_gate(entry):
@@ -159,8 +224,9 @@ class Registry:
         ``packaging`` and distribution metadata off the import path of torchpatches.
         """
         for module, spec in patch.requires.items():
-            if not _gates.is_installed(module):
-                return f"{module} is not installed (needs {module}{spec})"
+            missing = _gates.not_installed_reason(module)
+            if missing is not None:
+                return f"{missing} (needs {module}{spec})"
         return None
 
     @staticmethod
@@ -170,6 +236,12 @@ class Registry:
         reason = _gates.check_requirements(patch.requires)
         if reason is not None:
             return reason
+        if patch.inductor_cache_key:
+            from . import _cache_key
+
+            reason = _cache_key.lowering_elsewhere()
+            if reason is not None:
+                return reason
         for path, fingerprints in patch.verifies.items():
             reason = verify_dependency(path, fingerprints)
             if reason is not None:
@@ -192,14 +264,19 @@ class Registry:
         entry.wanted = False
         entry.off_reason = reason
         for slot in entry.slots:
-            if slot.state is PatchState.APPLIED:
+            # Also when this slot does not think it is applied: a replacement of ours may be bound
+            # (someone put it back after an earlier revert, or another registry made it).
+            if slot.state is PatchState.APPLIED or slot.replacement is not None or slot.ours_bound():
                 slot.swap_out()
             slot.set(PatchState.DISABLED, reason)
 
     # ---- reporting --------------------------------------------------------------------------
 
     def _status_of(self, entry: _Entry) -> PatchStatus:
-        targets = tuple(slot.status() for slot in entry.slots)
+        targets = tuple(self._target_truth(entry, slot) for slot in entry.slots)
+        if not entry.wanted and any(t.state is PatchState.APPLIED for t in targets):
+            reason = "; ".join(t.reason for t in targets if t.state is PatchState.APPLIED)
+            return PatchStatus(entry.patch.name, PatchState.APPLIED, reason, entry.patch.summary, targets)
         state, reason = summarise(
             targets,
             wanted=entry.wanted,
@@ -209,4 +286,38 @@ class Registry:
                 {module: spec for module, spec in entry.patch.requires.items() if module in sys.modules}
             ),
         )
+        if state is PatchState.APPLIED and entry.patch.inductor_cache_key:
+            from . import _cache_key
+
+            elsewhere = _cache_key.lowering_elsewhere()
+            if elsewhere is not None:
+                state, reason = PatchState.SKIPPED, elsewhere
         return PatchStatus(entry.patch.name, state, reason, entry.patch.summary, targets)
+
+    @staticmethod
+    def _target_truth(entry: _Entry, slot: Slot) -> TargetStatus:
+        """The slot's state, checked against what the target holds now."""
+        path = slot.target.path
+        if slot.state is PatchState.APPLIED and not slot.is_in_effect():
+            return TargetStatus(path, PatchState.SKIPPED,
+                                f"not in effect: {path} was rebound after torchpatches patched it (someone "
+                                "else's patch); torchpatches.apply() patches it again if it is the verified code")
+        if not entry.wanted and slot.ours_bound():
+            return TargetStatus(path, PatchState.APPLIED,
+                                f"{path}: torchpatches' replacement is in place again (someone put it back "
+                                "after revert()); torchpatches.revert() takes it out")
+        return slot.status()
+
+
+def _is_iterable(value: Any) -> bool:
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _call_if_alive(registry_ref: "weakref.ReferenceType[Registry]", module_name: str, module: Any) -> None:
+    registry = registry_ref()
+    if registry is not None:
+        registry._on_module_load(module_name, module)

@@ -8,13 +8,20 @@ A :class:`Slot` is the per-target state machine the registry drives (under its l
 It remembers the original it found, builds the replacement once per original (so re-applying binds
 the same object and code compiled meanwhile stays valid), and rebinds the ``from x import y`` aliases
 of the target, also in alias modules imported later (:meth:`Slot.watch_alias_modules`).
+
+Every replacement is *marked* with the original it replaces and the target path
+(``__torchpatches_original__``, ``__torchpatches_target__``), so a replacement is never mistaken for
+an original: a slot that finds a marked replacement bound (another registry, as
+``importlib.reload(torchpatches)`` makes; a third party that put ours back) adopts it or takes it
+out, instead of patching on top of it. What is bound is read again (:meth:`Slot.live`) whenever the
+truth matters: a reload of the target module makes a fresh owner and original.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import sys
-from typing import Any, Callable, Optional, Set, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Set, Tuple
 
 from . import _gates
 from ._declare import Patch, Target
@@ -23,9 +30,45 @@ from ._status import PatchState, TargetStatus
 
 logger = logging.getLogger("torchpatches")
 
-__all__ = ["Slot", "SkipTarget", "find", "verify", "verify_dependency"]
+__all__ = ["Slot", "SkipTarget", "find", "verify", "verify_dependency", "marked_original", "MARK_ORIGINAL",
+           "MARK_TARGET"]
 
 _MISSING = object()
+#: Set on every replacement: the original it replaces, and the target path it was made for.
+MARK_ORIGINAL = "__torchpatches_original__"
+MARK_TARGET = "__torchpatches_target__"
+
+
+def marked_original(obj: Any, path: str) -> Any:
+    """The original that ``obj`` replaces if ``obj`` is a torchpatches replacement made for ``path``,
+    else a sentinel (``is_marked`` tells)."""
+    try:
+        if getattr(obj, MARK_TARGET, None) == path:
+            return getattr(obj, MARK_ORIGINAL)
+    except Exception:  # noqa: BLE001 - stubs whose attribute access raises are not ours
+        pass
+    return _MISSING
+
+
+def is_marked(obj: Any, path: str) -> bool:
+    return marked_original(obj, path) is not _MISSING
+
+
+def _inherited(owner: Any, attribute: str, original: Any) -> bool:
+    """Whether ``original`` is what ``owner`` (a class) inherits for ``attribute`` from a base class."""
+    for base in getattr(owner, "__mro__", ())[1:]:
+        if vars(base).get(attribute, _MISSING) is original:
+            return True
+    return False
+
+
+def _mark(replacement: Any, original: Any, path: str) -> None:
+    try:
+        setattr(replacement, MARK_ORIGINAL, original)
+        setattr(replacement, MARK_TARGET, path)
+    except (AttributeError, TypeError) as error:
+        raise TypeError(f"the replacement for {path} cannot carry torchpatches' mark ({error}): "
+                        "it could later be mistaken for an original") from None
 
 
 class SkipTarget(Exception):
@@ -40,13 +83,19 @@ def find(module: Any, path: str) -> Tuple[Any, str, Any, bool]:
     """
     parts = path.split(":", 1)[1].split(".")
     owner = module
-    for part in parts[:-1]:
-        owner = getattr(owner, part, _MISSING)
-        if owner is _MISSING:
-            raise SkipTarget(f"{path} not found: no attribute {part!r}")
-    attribute = parts[-1]
-    own = vars(owner).get(attribute, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-    found = own if own is not _MISSING else getattr(owner, attribute, _MISSING)
+    try:
+        for part in parts[:-1]:
+            owner = getattr(owner, part, _MISSING)
+            if owner is _MISSING:
+                raise SkipTarget(f"{path} not found: no attribute {part!r}")
+        attribute = parts[-1]
+        namespace = getattr(owner, "__dict__", None)
+        own = namespace.get(attribute, _MISSING) if isinstance(namespace, Mapping) else _MISSING
+        found = own if own is not _MISSING else getattr(owner, attribute, _MISSING)
+    except SkipTarget:
+        raise
+    except Exception as error:  # noqa: BLE001 - stubs and lazy modules raise anything from getattr
+        raise SkipTarget(f"{path} not found: looking it up raised {type(error).__name__}: {error}") from None
     if found is _MISSING:
         raise SkipTarget(f"{path} not found: no attribute {attribute!r}")
     return owner, attribute, found, own is not _MISSING
@@ -102,6 +151,8 @@ class Slot:
         self.token: Optional[str] = None  # our Inductor cache-key token while applied
         self.watching = False  # a post-import hook waits for the target's module
         self.watched_alias_modules: Set[str] = set()
+        self.adopted: Any = None  # a marked replacement found bound at locate(), taken over as ours
+        self.stale: List[Any] = []  # originals and replacements of earlier loads of the target module
 
     def status(self) -> TargetStatus:
         return TargetStatus(self.target.path, self.state, self.reason)
@@ -112,18 +163,59 @@ class Slot:
     # ---- applying ---------------------------------------------------------------------------
 
     def locate(self, module: Any) -> None:
-        """Find the original in ``module`` and verify its fingerprint; :class:`SkipTarget` if not."""
-        owner, attribute, original, owned = find(module, self.target.path)
+        """Find the original in ``module`` and verify its fingerprint; :class:`SkipTarget` if not.
+
+        A torchpatches replacement found bound there is not an original: its mark names the original,
+        which is verified instead, and :meth:`swap_in` adopts the replacement rather than wrapping it.
+        """
+        owner, attribute, found, owned = find(module, self.target.path)
+        original = marked_original(found, self.target.path)
+        adopted = found if original is not _MISSING else None
+        if adopted is None:
+            original = found
         self.fingerprint = verify(self.target.path, original, self.target.fingerprints)
+        if self.original is not None and self.original is not original:
+            self.stale += [obj for obj in (self.original, self.replacement) if obj is not None]
+        if adopted is not None:
+            owned = not _inherited(owner, attribute, original)
         self.owner, self.attribute, self.original, self.owned_attribute = owner, attribute, original, owned
+        self.adopted = adopted
+
+    def live(self) -> Any:
+        """What the target's module binds at the target now (``_MISSING`` if the module is not imported
+        or the target cannot be found): after a reload that is not what :meth:`locate` saw."""
+        module = sys.modules.get(self.target.module)
+        if module is None or not is_imported(self.target.module):
+            return _MISSING
+        try:
+            return find(module, self.target.path)[2]
+        except SkipTarget:
+            return _MISSING
+
+    def is_in_effect(self) -> bool:
+        """Whether the replacement this slot bound is what the target holds now."""
+        current = self.live()
+        return current is not _MISSING and self.replacement is not None and current is self.replacement
+
+    def ours_bound(self) -> bool:
+        """Whether a torchpatches replacement for this target is bound now (whoever put it there)."""
+        return is_marked(self.live(), self.target.path)
 
     def swap_in(self) -> None:
         """Bind the replacement at the target and its imported aliases; on any error, undo and raise."""
-        replacement = self._replacement()
-        setattr(self.owner, self.attribute, replacement)
+        if self.adopted is not None:  # already bound (another registry made it): take it over
+            replacement = self.adopted
+            self.built = (self.original, replacement)
+        else:
+            replacement = self._replacement()
+            _mark(replacement, self.original, self.target.path)
+            setattr(self.owner, self.attribute, replacement)
+        self.adopted = None
         self.replacement = replacement
         try:
-            self.rebind_aliases(self.original, replacement)
+            for old in (*self.stale, self.original):
+                self.rebind_aliases(old, replacement)
+            self.stale.clear()
             if self.patch.inductor_cache_key:
                 from . import _cache_key
 
@@ -157,22 +249,60 @@ class Slot:
                 self.watched_alias_modules.add(module_name)
                 when_imported(module_name, lambda module, name=module_name: on_import(name))
 
+    def drop_token(self) -> None:
+        """Take this slot's Inductor cache-key token out (its replacement is no longer what runs)."""
+        if self.token is not None:
+            from . import _cache_key
+
+            _cache_key.remove_token(self.token)
+            self.token = None
+
     # ---- reverting --------------------------------------------------------------------------
 
     def swap_out(self) -> None:
-        """Put the original back (by identity) at the target and its aliases; drop our cache-key token."""
-        current = vars(self.owner).get(self.attribute, _MISSING)
-        if current is self.replacement:
-            if self.owned_attribute:
-                setattr(self.owner, self.attribute, self.original)
-            else:
-                delattr(self.owner, self.attribute)
-        else:
-            logger.warning(
-                "torchpatches: %s was replaced again by someone else after it was patched; leaving that in place",
-                self.target.path,
-            )
-        self.rebind_aliases(self.replacement, self.original)
+        """Put the original back (by identity) at the target and its aliases; drop our cache-key token.
+
+        What is bound is read again first: after a reload the module holds a fresh owner, and a
+        replacement someone else put back after an earlier revert is still ours to take out. Anything
+        else bound there (someone else's patch) is left alone.
+        """
+        module = sys.modules.get(self.target.module)
+        live_owner: Any = None
+        if module is not None:
+            try:
+                live_owner, attribute, current, owned = find(module, self.target.path)
+            except SkipTarget:
+                live_owner = None
+        if live_owner is not None:
+            original = marked_original(current, self.target.path)
+            if original is not _MISSING:
+                if _inherited(live_owner, attribute, original):
+                    delattr(live_owner, attribute)  # ours shadowed an inherited original
+                else:
+                    setattr(live_owner, attribute, original)
+            elif current is not self.original and self.replacement is not None:
+                logger.warning(
+                    "torchpatches: %s was replaced again by someone else after it was patched; leaving that in place",
+                    self.target.path,
+                )
+        if self.owner is not None and self.owner is not live_owner and self.replacement is not None:
+            # The module was reloaded or removed from sys.modules: the object we patched may still be used.
+            if vars(self.owner).get(self.attribute, _MISSING) is self.replacement:
+                if self.owned_attribute:
+                    setattr(self.owner, self.attribute, self.original)
+                else:
+                    delattr(self.owner, self.attribute)
+        restored = self.live()
+        for alias in self.target.aliases:
+            module_name, alias_attribute = alias.split(":", 1)
+            alias_module = sys.modules.get(module_name)
+            if alias_module is None:
+                continue
+            held = getattr(alias_module, alias_attribute, _MISSING)
+            if held is self.replacement or is_marked(held, self.target.path):
+                setattr(alias_module, alias_attribute,
+                        restored if restored is not _MISSING and not is_marked(restored, self.target.path)
+                        else self.original)
         if self.token is not None:
             from . import _cache_key
 
