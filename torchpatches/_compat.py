@@ -13,6 +13,7 @@ or triton (``torch.compiler.assume_constant_result`` itself imports Dynamo, 1-2 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import threading
 import warnings
@@ -21,7 +22,8 @@ from typing import Any, Callable, Hashable, Optional, Tuple, Type, TypeVar
 import torch
 
 __all__ = [
-    "is_compiling", "assume_constant", "first_time", "reset_once", "format_message", "emit_log_once", "emit_warning_once",
+    "is_compiling", "assume_constant", "first_time", "reset_once", "format_message", "formats_cleanly", "emit_log_once",
+    "emit_warning_once",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -66,14 +68,39 @@ def first_time(key: Hashable) -> bool:
 
 
 def format_message(msg: Any, args: Tuple[Any, ...]) -> str:
-    """Logging's formatting rule: ``msg % args`` only when there are args (a bare '%' stays)."""
+    """Logging's formatting rule: ``msg % args`` only when there are args (a bare '%' stays).
+
+    Never raises. When ``%`` refuses the arguments -- a ``%d`` given a tensor (under compile a tensor
+    argument is only a stand-in text: its value does not exist at trace time), too many or too few
+    arguments -- every conversion is retried as ``%s``, then the arguments are appended: the message
+    is kept, a caller's formatting slip never takes the model down or loses the text.
+    """
     text = str(msg)
-    if args:
-        try:
-            return text % args
-        except (TypeError, ValueError):  # a caller bug must not take the model down
-            return f"{text} {args!r}"
-    return text
+    if not args:
+        return text
+    try:
+        return text % args
+    except (TypeError, ValueError, KeyError):
+        pass
+    try:
+        return _CONVERSION.sub(lambda m: "%%" if m.group(0) == "%%" else "%s", text) % args
+    except (TypeError, ValueError, KeyError):
+        return f"{text} {args!r}"
+
+
+# One printf-style conversion (or a literal %%), as ``str % tuple`` parses them.
+_CONVERSION = re.compile(r"%%|%[#0\- +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?[hlL]?[diouxXeEfFgGcrsa]")
+
+
+def formats_cleanly(msg: Any, args: Tuple[Any, ...]) -> bool:
+    """Whether logging can format ``msg % args`` itself (else its handler prints '--- Logging error ---')."""
+    if not args:
+        return True
+    try:
+        str(msg) % args
+    except Exception:  # noqa: BLE001 - whatever % raises, logging would raise it in the handler
+        return False
+    return True
 
 
 def emit_log_once(
@@ -90,6 +117,8 @@ def emit_log_once(
         return
     if not first_time(("log", logger.name, level, format_message(msg, args))):
         return
+    if not formats_cleanly(msg, args):  # hand logging text it can print, not a record that fails later
+        msg, args = format_message(msg, args), ()
     if location is None:
         logger.log(level, msg, *args, stacklevel=stacklevel + 1)
         return

@@ -63,9 +63,18 @@ def _inherited(owner: Any, attribute: str, original: Any) -> bool:
 
 
 def _mark(replacement: Any, original: Any, path: str) -> None:
+    """Mark ``replacement`` as ours, and name it by the target it is bound at.
+
+    ``__module__``/``__qualname__`` become the target's, so pickle (which stores a function by name
+    and checks the name resolves to the same object) sends it by reference, e.g. to a ``spawn``
+    worker, where the name resolves to whatever that process binds there.
+    """
+    module_name, qualname = path.split(":", 1)
     try:
         setattr(replacement, MARK_ORIGINAL, original)
         setattr(replacement, MARK_TARGET, path)
+        if callable(replacement) and hasattr(replacement, "__qualname__"):
+            replacement.__module__, replacement.__qualname__ = module_name, qualname
     except (AttributeError, TypeError) as error:
         raise TypeError(f"the replacement for {path} cannot carry torchpatches' mark ({error}): "
                         "it could later be mistaken for an original") from None

@@ -39,6 +39,7 @@ from ._compat import (
     emit_warning_once,
     first_time,
     format_message,
+    formats_cleanly,
     is_compiling,
     reset_once,
 )
@@ -216,6 +217,8 @@ class OnceLogger:
                 ("log", self.name, logging.WARNING, format_message(msg, args))
             ):
                 kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+                if not formats_cleanly(msg, args):
+                    msg, args = format_message(msg, args), ()
                 self.logger.warning(msg, *args, **kwargs)
             return
         emit_log_once(self.logger, logging.WARNING, msg, args, stacklevel=2)

@@ -125,7 +125,7 @@ def test_applied_reverted_and_reapplied_by_identity(
     torchpatches.apply(NAME)
     assert torchpatches.status()[NAME].state.value == "applied"
     patched = ir.StorageBox.should_realize_on_reuse
-    assert patched is not original and patched.__module__ == inductor_realize.__name__
+    assert patched is not original and patched.__torchpatches_target__ == TARGET
     torchpatches.apply(NAME)  # idempotent: the same replacement stays
     assert ir.StorageBox.should_realize_on_reuse is patched
     assert _cache_key.key_component() == (TOKEN,)

@@ -99,7 +99,7 @@ def test_fingerprint_is_verified_for_the_installed_diffusers() -> None:
 def test_apply_rebinds_every_alias_and_revert_restores_identity(patched: Callable[..., torch.Tensor]) -> None:
     original = original_function()
     patched = embeddings.apply_rotary_emb  # disabled() re-applied the patch: a fresh replacement
-    assert patched is not original and patched.__module__ == "torchpatches.patches.rope"
+    assert patched is not original and patched.__torchpatches_target__ == "diffusers.models.embeddings:apply_rotary_emb"
     assert torchpatches.status()["rope"].state.value == "applied"
     for module in ALIAS_MODULES:
         assert module.apply_rotary_emb is patched, module.__name__
@@ -214,7 +214,7 @@ def test_environment_disable_and_modules_imported_after_the_patch() -> None:
 
         torchpatches.apply("rope")  # an explicit apply still works
         patched = embeddings.apply_rotary_emb
-        assert patched.__module__ == "torchpatches.patches.rope"
+        assert patched.__torchpatches_target__ == "diffusers.models.embeddings:apply_rotary_emb"
         late = {[alias.split(":")[0] for alias in rope_patch.ALIASES]!r}
         assert not any(name in sys.modules for name in late), "must be imported late for this test"
         late = [importlib.import_module(name) for name in late]

@@ -110,8 +110,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim:
 def build_replacement(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The function bound in place of ``original``."""
 
-    # Name and docstring of the original (help() reads the same); __module__ stays ours so that
-    # ``embeddings.apply_rotary_emb.__module__`` tells a user the patch is in place.
+    # Name and docstring of the original (help() reads the same). The registry sets __module__ and
+    # __qualname__ to the target's when it binds it (pickling by reference) and marks it with
+    # __torchpatches_original__ / __torchpatches_target__: that mark says the patch is in place.
     @functools.wraps(original, assigned=("__name__", "__qualname__", "__doc__"), updated=())
     def apply_rotary_emb(
         x: torch.Tensor,
