@@ -612,7 +612,7 @@ def test_tier_query_runs_once_at_trace_time_not_per_call(monkeypatch):
     cf = torch.compile(f, fullgraph=True)
     for _ in range(3):
         cf(q, k.clone())
-    assert calls == [("cpu", "torch", False, False)]
+    assert calls == [("cpu", "torch", False, False, False)]  # device, tier, cache form, fits, needs grad
 
 
 def _fake_cuda_inputs():

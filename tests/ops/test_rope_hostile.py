@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from torchpatches.ops import rope
+from torchpatches.ops import _rope_tiers, rope
 
 try:
     import triton  # noqa: F401
@@ -32,9 +32,9 @@ B, S, H, D = 1, 4, 3, 8
 
 @pytest.fixture(autouse=True)
 def _clean_rope_state():
-    rope._reset_caches()
+    _rope_tiers.reset_caches()
     yield
-    rope._reset_caches()
+    _rope_tiers.reset_caches()
 
 
 def _tables(s: int = S, r: int = D) -> "tuple[torch.Tensor, torch.Tensor]":

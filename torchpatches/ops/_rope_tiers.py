@@ -120,7 +120,8 @@ def reset_caches() -> None:
 
 
 @assume_constant
-def select_tier(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool) -> TierChoice:
+def select_tier(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool,
+                needs_grad: bool = False) -> TierChoice:
     """The tier for a call, or why a requested tier cannot run it (see :data:`TierChoice`).
 
     Only Python constants go in and out, so under torch.compile this runs once at trace time and
@@ -128,7 +129,7 @@ def select_tier(device_type: str, requested: str, cache_form: bool, flashinfer_f
     same reason.
     """
     global _LAST_TIER
-    tier, refusal = choose(device_type, requested, cache_form, flashinfer_fits)
+    tier, refusal = choose(device_type, requested, cache_form, flashinfer_fits, needs_grad)
     if tier == "triton" and device_type == "cuda":
         from ._rope_library import ensure_triton_ops  # registers the triton_ops outside tracing
 
@@ -138,9 +139,22 @@ def select_tier(device_type: str, requested: str, cache_form: bool, flashinfer_f
     return tier, refusal
 
 
-def choose(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool) -> TierChoice:
+#: Why the kernel tiers refuse a call autograd records: their kernels write outputs autograd cannot see
+#: (in place: the saved inputs change under it; out of place: outputs detached), so gradients would be
+#: wrong or lost. The PyTorch tier is differentiable through autograd.
+GRAD_REFUSAL = ("tier={tier!r} requested but q, k or the cos/sin tables require grad (and grad mode is on): the "
+                "Triton and FlashInfer kernels are not differentiable; use tier='torch' or the automatic tier "
+                "(which picks the PyTorch tier for such calls), or call under torch.no_grad()")
+
+
+def choose(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool,
+           needs_grad: bool = False) -> TierChoice:
     if requested == "torch":
         return "torch", None
+    if needs_grad:
+        if requested == "auto":
+            return "torch", None  # the only differentiable tier
+        return None, GRAD_REFUSAL.format(tier=requested)
     if requested == "triton":
         ok, why = triton_import()  # forcing Triton on CPU runs the interpreter
         return ("triton", None) if ok else (None, f"tier='triton' requested but {why}")

@@ -26,8 +26,16 @@ def full_cos_sin(
     widened: repeated per pair when interleaved, concatenated twice for NeoX halves.
     """
     if positions is not None:
-        cos = cos[positions.long()]  # [B or 1, S, width]
-        sin = sin[positions.long()]
+        # Rows outside the cache give NaN, never a read outside it: under torch.compile (and on a GPU)
+        # nothing checks positions before this runs (see ops/rope.py), and an index Inductor does
+        # not bound-check, or Python's wrap-around for -1, would give a plausible wrong answer.
+        rows = cos.shape[0]
+        index = positions.long()
+        valid = ((index >= 0) & (index < rows)).unsqueeze(-1)
+        index = index.clamp(0, max(rows - 1, 0))
+        nan = torch.full((), float("nan"), dtype=torch.float32, device=cos.device)
+        cos = torch.where(valid, cos[index].float(), nan)  # [B or 1, S, width]
+        sin = torch.where(valid, sin[index].float(), nan)
     else:
         cos = cos[None]
         sin = sin[None]

@@ -70,7 +70,7 @@ def _rope_kernel(
     S, HQ, HK, NHB_Q, NHB, HP,
     q_sb, q_ss, q_sh, k_sb, k_ss, k_sh,
     qo_sb, qo_ss, qo_sh, ko_sb, ko_ss, ko_sh,
-    c_sr, c_sd, s_sr, s_sd, p_sb, p_ss,
+    c_sr, c_sd, s_sr, s_sd, p_sb, p_ss, NROWS,
     R: tl.constexpr, D: tl.constexpr, HALF_BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, COS_HALF: tl.constexpr,
     HAS_POS: tl.constexpr, COPY_TAIL: tl.constexpr, TAIL_BLOCK: tl.constexpr,
@@ -81,6 +81,9 @@ def _rope_kernel(
     s = tok - b * S
     if HAS_POS:
         row = tl.load(pos_ptr + b * p_sb + s * p_ss).to(tl.int64)
+        # A position outside the cache reads row 0 and rotates with NaN: never a read out of bounds.
+        row_ok = (row >= 0) & (row < NROWS)
+        row = tl.where(row_ok, row, 0)
     else:
         row = s
     # cos/sin for this token, loaded once and reused for every head this program handles.
@@ -107,6 +110,11 @@ def _rope_kernel(
         sa = tl.load(srow + i * s_sd, mask=im, other=0.0).to(tl.float32)
         cb = tl.load(crow + (i + R // 2) * c_sd, mask=im, other=0.0).to(tl.float32)
         sb = tl.load(srow + (i + R // 2) * s_sd, mask=im, other=0.0).to(tl.float32)
+    if HAS_POS:
+        ca = tl.where(row_ok, ca, float("nan"))
+        sa = tl.where(row_ok, sa, float("nan"))
+        cb = tl.where(row_ok, cb, float("nan"))
+        sb = tl.where(row_ok, sb, float("nan"))
     # Head blocks of q then of k; program (tok, p) takes blocks p, p + HP, p + 2 HP, ...
     # (a constexpr trip count: the interpreter cannot loop over a program-id-valued range).
     hb0 = tl.program_id(1)
@@ -224,7 +232,7 @@ def launch(
         S, HQ, HK, nhb_q, nhb, head_progs,
         q_st[0], q_st[1], q_st[2], k_st[0], k_st[1], k_st[2],
         qo_st[0], qo_st[1], qo_st[2], ko_st[0], ko_st[1], ko_st[2],
-        c_st[0], c_st[1], s_st[0], s_st[1], p_sb, p_ss,
+        c_st[0], c_st[1], s_st[0], s_st[1], p_sb, p_ss, cos.shape[0],
         R=rotary_dim, D=D, HALF_BLOCK=_next_pow2(rotary_dim // 2), BLOCK_H=block_h,
         INTERLEAVED=interleaved, COS_HALF=cos_half, HAS_POS=positions is not None,
         COPY_TAIL=copy_tail, TAIL_BLOCK=_next_pow2(max(1, D - rotary_dim)),

@@ -63,11 +63,11 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 
-def _tier_for(q: torch.Tensor, tier: Optional[str], cache_form: bool, fits: bool) -> str:
+def _tier_for(q: torch.Tensor, tier: Optional[str], cache_form: bool, fits: bool, grad: bool) -> str:
     requested = tier if tier is not None else (_rope_tiers.forced_tier() or "auto")
     if requested not in TIERS + ("auto",):
         raise ValueError(f"unknown RoPE tier {requested!r}; expected one of {TIERS} or None")
-    chosen, refusal = _rope_tiers.select_tier(q.device.type, requested, cache_form, bool(fits))
+    chosen, refusal = _rope_tiers.select_tier(q.device.type, requested, cache_form, bool(fits), bool(grad))
     if chosen is None:
         raise ValueError(refusal)
     return chosen
@@ -106,7 +106,10 @@ def _per_token(q, k, cos, sin, interleaved, rotary_dim, sequence_dim, tier, inpl
     seq_dim = _rope_checks.sequence_dim_of(q, sequence_dim)
     B, S, D = _rope_checks.check_qk(q, k, seq_dim)
     r = _rope_checks.check_per_token(q, cos, sin, S, D, rotary_dim)
-    chosen = _tier_for(q, tier, cache_form=False, fits=False)
+    if inplace:
+        _rope_checks.check_inplace(q, k, {"cos": cos, "sin": sin})
+    grad = _rope_checks.needs_grad(q, k, cos, sin)
+    chosen = _tier_for(q, tier, cache_form=False, fits=False, grad=grad)
     if B * S == 0:
         return _nothing_to_do(q, k, inplace)
     return _run(q, k, cos, sin, None, seq_dim, interleaved, False, r, chosen, inplace)
@@ -116,8 +119,11 @@ def _with_cache(q, k, cache, positions, interleaved, rotary_dim, sequence_dim, t
     seq_dim = _rope_checks.sequence_dim_of(q, sequence_dim)
     B, S, D = _rope_checks.check_qk(q, k, seq_dim)
     r = _rope_checks.check_cache(q, cache, positions, B, S, D, rotary_dim)
+    if inplace:
+        _rope_checks.check_inplace(q, k, {"cos_sin_cache": cache, "positions": positions})
+    grad = _rope_checks.needs_grad(q, k, cache)
     fits = cache.dtype == torch.float32 and _rope_tiers.flashinfer_takes(q, k, seq_dim, D, positions)
-    chosen = _tier_for(q, tier, cache_form=True, fits=fits)
+    chosen = _tier_for(q, tier, cache_form=True, fits=fits, grad=grad)
     if B * S == 0:
         return _nothing_to_do(q, k, inplace)
     if chosen == "flashinfer":
