@@ -247,3 +247,27 @@ def test_disabled_accepts_a_list_like_apply_and_revert() -> None:
     with torchpatches.disabled(["rope"]):  # type: ignore[arg-type]
         assert torchpatches.status()["rope"].state.value == "disabled"
     assert torchpatches.status()["rope"].state is before
+
+
+# ---- wrong argument types to the declaration API (torchpatches.Patch / Target) -----------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Target(123, _loud, frozenset({"0" * 16})),
+        lambda: Target("m:f", "not callable", frozenset({"0" * 16})),
+        lambda: Target("m:f", _loud, "0123456789abcdef"),  # a bare str would become a set of characters
+        lambda: Target("m:f", _loud, frozenset({"0" * 16}), aliases="m2:f"),
+        lambda: Target("m:f", _loud, frozenset({1})),
+        lambda: Patch(name=None, summary="", targets=(Target("m:f", _loud, frozenset({"0" * 16})),)),
+        lambda: Patch(name="p", summary="", targets=("m:f",)),
+        lambda: Patch(name="p", summary="", targets=(Target("m:f", _loud, frozenset({"0" * 16})),),
+                      requires={"torch": 2.11}),
+        lambda: Patch(name="p", summary="", targets=(Target("m:f", _loud, frozenset({"0" * 16})),),
+                      verifies={"m:g": "0123456789abcdef"}),
+    ],
+)
+def test_declarations_with_wrong_types_raise_value_error(make: Callable[[], object]) -> None:
+    with pytest.raises(ValueError):
+        make()

@@ -96,11 +96,7 @@ def disabled(*names: str) -> Iterator[None]:
 
     ``disabled("a", "b")`` and ``disabled(["a", "b"])`` are the same; names are checked as by ``apply``.
     """
-    if len(names) == 1 and not isinstance(names[0], (str, bytes, bytearray)) and names[0] is not None:
-        try:
-            names = tuple(names[0])  # one list of names, as apply() and revert() take
-        except TypeError:
-            pass  # not iterable: resolve_names says what is wrong with it
+    names = _one_list(names)
     chosen = _registry.resolve_names(names or None)
     were_on = [name for name in chosen if _registry.is_wanted(name)]
     _registry.revert(were_on, "disabled by torchpatches.disabled()")
@@ -118,7 +114,7 @@ def only(*names: str) -> Iterator[None]:
     For measuring one patch alone (tests, benchmarks). Unknown names raise ``ValueError`` before
     anything changes.
     """
-    chosen = _registry.resolve_names(names)
+    chosen = _registry.resolve_names(_one_list(names))
     before = _registry.wanted()
     _registry.revert([name for name in _registry.names if name not in chosen], "disabled by torchpatches.only()")
     _registry.apply(chosen)
@@ -126,6 +122,16 @@ def only(*names: str) -> Iterator[None]:
         yield
     finally:
         _registry.restore(before)
+
+
+def _one_list(names: Tuple[object, ...]) -> Tuple[object, ...]:
+    """``f(["a", "b"])`` means ``f("a", "b")`` for the ``*names`` context managers, as ``apply`` takes a list."""
+    if len(names) == 1 and not isinstance(names[0], (str, bytes, bytearray)) and names[0] is not None:
+        try:
+            return tuple(names[0])  # type: ignore[arg-type]
+        except TypeError:
+            pass  # not iterable: resolve_names says what is wrong with it
+    return names
 
 
 def status() -> Status:

@@ -46,8 +46,13 @@ class Target(_Frozen):
         fingerprints: FrozenSet[str],
         aliases: Tuple[str, ...] = (),
     ) -> None:
-        if ":" not in path:
-            raise ValueError(f"target path {path!r} must be 'module:qualname'")
+        if not isinstance(path, str) or ":" not in path:
+            raise ValueError(f"target path {path!r} must be a str 'module:qualname'")
+        if not callable(make_replacement):
+            raise ValueError(f"make_replacement of {path!r} must be callable, got {type(make_replacement).__name__}")
+        # A bare str would silently become a set of characters / a tuple of letters.
+        fingerprints = _str_collection(fingerprints, f"fingerprints of {path!r}")
+        aliases = _str_collection(aliases, f"aliases of {path!r}")
         for alias in aliases:
             if ":" not in alias or "." in alias.split(":", 1)[1]:
                 raise ValueError(f"alias {alias!r} must be 'module:attribute'")
@@ -63,6 +68,20 @@ class Target(_Frozen):
     @property
     def qualname(self) -> str:
         return self.path.split(":", 1)[1]
+
+
+def _str_collection(value: Any, what: str) -> Tuple[str, ...]:
+    """``value`` as a tuple of str; ValueError for a bare str, bytes, non-iterables or non-str items."""
+    if isinstance(value, (str, bytes, bytearray)):
+        raise ValueError(f"{what} must be a collection of str (a set or tuple), not a single {type(value).__name__}")
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise ValueError(f"{what} must be a collection of str, got {type(value).__name__}") from None
+    wrong = [item for item in items if not isinstance(item, str)]
+    if wrong:
+        raise ValueError(f"{what} must all be str, got {', '.join(type(item).__name__ for item in wrong)}")
+    return items
 
 
 class Patch(_Frozen):
@@ -92,15 +111,23 @@ class Patch(_Frozen):
         inductor_cache_key: bool = False,
         verifies: Optional[Mapping[str, FrozenSet[str]]] = None,
     ) -> None:
-        if not name.isidentifier() or name.lower() != name:
+        if not isinstance(name, str) or not name.isidentifier() or name.lower() != name:
             raise ValueError(f"patch name {name!r} must be a lower-case identifier")
         if name == "all":
             raise ValueError("'all' is reserved for TORCHPATCHES_DISABLE")
-        if not targets:
-            raise ValueError(f"patch {name!r} has no targets")
-        verifies = {path: frozenset(fingerprints) for path, fingerprints in (verifies or {}).items()}
+        if isinstance(targets, Target):
+            targets = (targets,)
+        if not targets or not all(isinstance(target, Target) for target in targets):
+            raise ValueError(f"patch {name!r} needs a tuple of Target objects, got {targets!r}")
+        if requires is not None and not (isinstance(requires, Mapping) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in requires.items())):
+            raise ValueError(f"requires of patch {name!r} must map module names to specifier str, got {requires!r}")
+        if precondition is not None and not callable(precondition):
+            raise ValueError(f"precondition of patch {name!r} must be callable")
+        verifies = {path: frozenset(_str_collection(fingerprints, f"fingerprints of {path!r}"))
+                    for path, fingerprints in (verifies or {}).items()}
         for path, fingerprints in verifies.items():
-            if ":" not in path:
+            if not isinstance(path, str) or ":" not in path:
                 raise ValueError(f"verified path {path!r} must be 'module:qualname'")
             if not fingerprints:
                 raise ValueError(f"verified path {path!r} needs at least one fingerprint")
