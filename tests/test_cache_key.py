@@ -150,3 +150,22 @@ def test_lowering_elsewhere_empties_the_component(no_tokens: None, monkeypatch: 
     assert _cache_key.key_component() == ()
     assert _cache_key.active_tokens() == [TOKEN_A]
     _cache_key.remove_token(TOKEN_A)
+
+
+def test_cache_token_of_a_patch_without_source_code() -> None:
+    """A patch built in ``python -c`` or shipped without .py files still gets a token naming its code
+    (the bytecode of make_replacement), never a shared placeholder."""
+    from torchpatches._declare import Patch, Target
+
+    def patch_from(source: str) -> Patch:
+        namespace: dict = {}
+        exec(compile(source, "<no source>", "exec"), namespace)  # noqa: S102
+        target = Target("torch._inductor.ir:StorageBox.should_realize_on_reuse", namespace["make"],
+                        frozenset({"0" * 16}))
+        return Patch(name="p", summary="", targets=(target,), inductor_cache_key=True)
+
+    first = patch_from("def make(original):\n    return lambda self, users: True\n")
+    second = patch_from("def make(original):\n    return lambda self, users: False\n")
+    token_1 = _cache_key.cache_token(first, first.targets[0], "f" * 16)
+    token_2 = _cache_key.cache_token(second, second.targets[0], "f" * 16)
+    assert token_1.startswith("torchpatches:p@" + "f" * 16 + ".") and token_1 != token_2

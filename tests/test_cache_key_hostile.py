@@ -174,3 +174,77 @@ def test_a_patched_process_is_never_served_an_unpatched_artifact(tmp_path: Path)
     assert [run["buffers"] for run in patched] == [4, 4, 4], patched
     first = patched[0]
     assert (first["fx_miss"], first["fx_hit"], first["aot_hit"]) == (1, 0, 0), first
+
+
+# ---- Inductor lowering in a child process -----------------------------------------------------
+
+
+def test_lowering_in_a_child_process_skips_inductor_patches_and_keeps_them_out_of_the_key() -> None:
+    code = textwrap.dedent(
+        """
+        import torch, torch._inductor.ir, torchpatches
+        from torchpatches import _cache_key
+        from torchpatches._registry import Registry
+        from _inductor_test_patch import make_test_patch
+        registry = Registry([make_test_patch()])
+        registry.apply()
+        status = registry.status()["test_realize"]
+        shipped = torchpatches.status()["inductor_realize"]
+        print(status.state.value, "|", status.reason, "|", list(_cache_key.key_component()), "|",
+              shipped.state.value, "|", shipped.reason)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=CHILD_PATH, TORCHINDUCTOR_FX_COMPILE_MODE="subprocess")
+    env.pop("TORCHPATCHES_DISABLE", None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state, reason, component, shipped_state, shipped_reason = result.stdout.strip().split(" | ")
+    assert state == "skipped" and "child process" in reason and "subprocess" in reason
+    assert component == "[]"
+    assert shipped_state == "skipped"  # on 2.11 for this reason, on other torch versions for the version gate
+
+
+_SUBPROCESS_MODE_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+    from torchpatches._registry import Registry
+    from _inductor_test_patch import make_test_patch
+
+    def flip_to_realize(a, b):
+        h = a + b
+        return h.sum(0), h.sum(1), h.amax(0)
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g))
+    registry = Registry([make_test_patch()])
+    registry.apply()
+    torch._dynamo.reset()
+    counters.clear()
+    with inductor_config.patch(fx_graph_cache=True, fx_graph_remote_cache=False), \\
+            functorch_config.patch(enable_autograd_cache=True), torch.no_grad():
+        out = torch.compile(flip_to_realize, fullgraph=True)(*args)
+    print(json.dumps({"state": registry.status()["test_realize"].state.value,
+                      "fx_miss": counters["inductor"]["fxgraph_cache_miss"]}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_artifact_lowered_in_a_child_process_is_not_served_to_a_patched_process(tmp_path: Path) -> None:
+    """A process in subprocess lowering mode stores its (unpatched: the child never imports torchpatches)
+    artifact; a normal patched process must not be served it."""
+    env = dict(os.environ, PYTHONPATH=CHILD_PATH, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHPATCHES_DISABLE="all",
+               TORCHINDUCTOR_FX_COMPILE_MODE="subprocess")
+    result = subprocess.run([sys.executable, "-c", _SUBPROCESS_MODE_CHILD], capture_output=True, text=True,
+                            env=env, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lowered_elsewhere = json.loads(result.stdout.strip().splitlines()[-1])
+    assert lowered_elsewhere == {"state": "skipped", "fx_miss": 1}
+    *patched, state = _child(tmp_path, "patched")
+    assert state["state"] == "applied", state
+    assert [run["buffers"] for run in patched] == [4, 4, 4], patched
+    assert patched[0]["fx_hit"] == 0 and patched[0]["aot_hit"] == 0, patched[0]

@@ -271,3 +271,22 @@ def test_disabled_accepts_a_list_like_apply_and_revert() -> None:
 def test_declarations_with_wrong_types_raise_value_error(make: Callable[[], object]) -> None:
     with pytest.raises(ValueError):
         make()
+
+
+def test_builtin_module_loaders_are_never_hooked() -> None:
+    """BuiltinImporter is a class used as a loader: hooking it would change every builtin import."""
+    result = _run(
+        """
+        import sys, importlib.machinery as m
+        from torchpatches._import_hooks import when_imported
+        names = [n for n in sys.builtin_module_names if n not in sys.modules and not n.startswith("_frozen")]
+        name = names[0]
+        before = m.BuiltinImporter.__dict__["exec_module"]
+        seen = []
+        when_imported(name, seen.append)
+        __import__(name)
+        print(m.BuiltinImporter.__dict__["exec_module"] is before, name in sys.modules)
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "True"]
