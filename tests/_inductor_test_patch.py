@@ -28,7 +28,9 @@ def _always_realize(original: Callable[..., bool]) -> Callable[..., bool]:
 def make_test_patch() -> Patch:
     import torch._inductor.ir as ir  # only to read this torch's fingerprint of the original
 
-    original = ir.StorageBox.__dict__["should_realize_on_reuse"]
+    bound = ir.StorageBox.__dict__["should_realize_on_reuse"]
+    # The original, also where inductor_realize is applied (torch 2.11): its replacement is marked.
+    original = getattr(bound, "__torchpatches_original__", bound)
     return Patch(
         name=NAME,
         summary="test only: realize every reused Pointwise",

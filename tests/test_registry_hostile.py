@@ -221,3 +221,21 @@ def test_third_party_restoring_our_replacement_after_revert(target) -> None:
     registry.revert()  # and one call puts the original back
     assert module.greet is original
     assert _state(registry) is PatchState.DISABLED
+
+
+def test_a_second_patch_on_the_same_target_is_skipped_naming_the_first(target) -> None:
+    name, fingerprint = target
+    module = sys.modules[name]
+    original = module.greet
+    first = Registry([_patch(name, fingerprint)])
+    first.apply()
+    other = Patch(name="other", summary="test", targets=(Target(f"{name}:greet", _loud, frozenset({fingerprint})),))
+    second = Registry([other])
+    second.apply()
+    status = second.status()["other"]
+    assert status.state is PatchState.SKIPPED and "'loud'" in status.reason, status
+    assert module.greet("a") == "HELLO A"  # not wrapped twice
+    second.revert()
+    assert module.greet("a") == "HELLO A"  # the other patch's revert leaves ours alone
+    first.revert()
+    assert module.greet is original

@@ -31,27 +31,36 @@ from ._status import PatchState, TargetStatus
 logger = logging.getLogger("torchpatches")
 
 __all__ = ["Slot", "SkipTarget", "find", "verify", "verify_dependency", "marked_original", "MARK_ORIGINAL",
-           "MARK_TARGET"]
+           "MARK_TARGET", "MARK_PATCH"]
 
 _MISSING = object()
 #: Set on every replacement: the original it replaces, and the target path it was made for.
 MARK_ORIGINAL = "__torchpatches_original__"
 MARK_TARGET = "__torchpatches_target__"
+MARK_PATCH = "__torchpatches_patch__"
 
 
-def marked_original(obj: Any, path: str) -> Any:
-    """The original that ``obj`` replaces if ``obj`` is a torchpatches replacement made for ``path``,
-    else a sentinel (``is_marked`` tells)."""
+def _mark_of(obj: Any) -> Tuple[Any, Any]:
+    """(target path, patch name) a torchpatches replacement is marked with; (None, None) for others."""
     try:
-        if getattr(obj, MARK_TARGET, None) == path:
-            return getattr(obj, MARK_ORIGINAL)
+        return getattr(obj, MARK_TARGET, None), getattr(obj, MARK_PATCH, None)
     except Exception:  # noqa: BLE001 - stubs whose attribute access raises are not ours
-        pass
+        return None, None
+
+
+def marked_original(obj: Any, path: str, patch: str) -> Any:
+    """The original that ``obj`` replaces if ``obj`` is patch ``patch``'s replacement made for ``path``,
+    else a sentinel (``is_marked`` tells)."""
+    if _mark_of(obj) == (path, patch):
+        try:
+            return getattr(obj, MARK_ORIGINAL)
+        except Exception:  # noqa: BLE001
+            pass
     return _MISSING
 
 
-def is_marked(obj: Any, path: str) -> bool:
-    return marked_original(obj, path) is not _MISSING
+def is_marked(obj: Any, path: str, patch: str) -> bool:
+    return marked_original(obj, path, patch) is not _MISSING
 
 
 def _inherited(owner: Any, attribute: str, original: Any) -> bool:
@@ -62,7 +71,7 @@ def _inherited(owner: Any, attribute: str, original: Any) -> bool:
     return False
 
 
-def _mark(replacement: Any, original: Any, path: str) -> None:
+def _mark(replacement: Any, original: Any, path: str, patch: str) -> None:
     """Mark ``replacement`` as ours, and name it by the target it is bound at.
 
     ``__module__``/``__qualname__`` become the target's, so pickle (which stores a function by name
@@ -73,6 +82,7 @@ def _mark(replacement: Any, original: Any, path: str) -> None:
     try:
         setattr(replacement, MARK_ORIGINAL, original)
         setattr(replacement, MARK_TARGET, path)
+        setattr(replacement, MARK_PATCH, patch)
         if callable(replacement) and hasattr(replacement, "__qualname__"):
             replacement.__module__, replacement.__qualname__ = module_name, qualname
     except (AttributeError, TypeError) as error:
@@ -178,7 +188,11 @@ class Slot:
         which is verified instead, and :meth:`swap_in` adopts the replacement rather than wrapping it.
         """
         owner, attribute, found, owned = find(module, self.target.path)
-        original = marked_original(found, self.target.path)
+        marked_path, marked_patch = _mark_of(found)
+        if marked_path == self.target.path and marked_patch != self.patch.name:
+            raise SkipTarget(f"{self.target.path} holds the replacement of torchpatches' patch {marked_patch!r}; "
+                             "two patches cannot both replace it")
+        original = marked_original(found, self.target.path, self.patch.name)
         adopted = found if original is not _MISSING else None
         if adopted is None:
             original = found
@@ -208,7 +222,7 @@ class Slot:
 
     def ours_bound(self) -> bool:
         """Whether a torchpatches replacement for this target is bound now (whoever put it there)."""
-        return is_marked(self.live(), self.target.path)
+        return is_marked(self.live(), self.target.path, self.patch.name)
 
     def swap_in(self) -> None:
         """Bind the replacement at the target and its imported aliases; on any error, undo and raise."""
@@ -217,7 +231,7 @@ class Slot:
             self.built = (self.original, replacement)
         else:
             replacement = self._replacement()
-            _mark(replacement, self.original, self.target.path)
+            _mark(replacement, self.original, self.target.path, self.patch.name)
             setattr(self.owner, self.attribute, replacement)
         self.adopted = None
         self.replacement = replacement
@@ -283,7 +297,7 @@ class Slot:
             except SkipTarget:
                 live_owner = None
         if live_owner is not None:
-            original = marked_original(current, self.target.path)
+            original = marked_original(current, self.target.path, self.patch.name)
             if original is not _MISSING:
                 if _inherited(live_owner, attribute, original):
                     delattr(live_owner, attribute)  # ours shadowed an inherited original
@@ -308,9 +322,10 @@ class Slot:
             if alias_module is None:
                 continue
             held = getattr(alias_module, alias_attribute, _MISSING)
-            if held is self.replacement or is_marked(held, self.target.path):
+            if held is self.replacement or is_marked(held, self.target.path, self.patch.name):
                 setattr(alias_module, alias_attribute,
-                        restored if restored is not _MISSING and not is_marked(restored, self.target.path)
+                        restored if restored is not _MISSING
+                        and not is_marked(restored, self.target.path, self.patch.name)
                         else self.original)
         if self.token is not None:
             from . import _cache_key
