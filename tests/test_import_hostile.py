@@ -11,7 +11,7 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
-from typing import Callable, List, Tuple
+from typing import Callable
 
 import pytest
 

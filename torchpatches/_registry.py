@@ -10,7 +10,7 @@ import logging
 import sys
 import threading
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
 
 from . import _gates
 from ._declare import Patch

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import pytest
 import torch
