@@ -46,7 +46,7 @@ def _plus_one(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture
-def test_patch() -> Any:
+def realize_patch() -> Any:
     """The test patch applied in this process; reverted (and the user's tag restored) afterwards."""
     import torch._inductor.ir  # noqa: F401 - the target must be importable for the fingerprint
 
@@ -62,41 +62,41 @@ def test_patch() -> Any:
             compiler_config.cache_key_tag = saved
 
 
-def test_user_assigning_the_tag_later_keeps_the_patch_in_the_key(test_patch: Any) -> None:
+def test_user_assigning_the_tag_later_keeps_the_patch_in_the_key(realize_patch: Any) -> None:
     compiler_config.cache_key_tag = "mine"
     unpatched = _key_of(_plus_one)
-    test_patch.apply()
-    assert test_patch.status()["test_realize"].state.value == "applied"
+    realize_patch.apply()
+    assert realize_patch.status()["test_realize"].state.value == "applied"
     assert _key_of(_plus_one) != unpatched
     compiler_config.cache_key_tag = "mine"  # a library sets the tag after torchpatches applied
     assert _key_of(_plus_one) != unpatched
     compiler_config.cache_key_tag = "something else"
     other = _key_of(_plus_one)
-    test_patch.revert()
+    realize_patch.revert()
     assert _key_of(_plus_one) != other  # the token left the key with the patch
     compiler_config.cache_key_tag = "mine"
     assert _key_of(_plus_one) == unpatched
 
 
-def test_config_patch_of_the_tag_keeps_the_patch_in_the_key(test_patch: Any) -> None:
+def test_config_patch_of_the_tag_keeps_the_patch_in_the_key(realize_patch: Any) -> None:
     with compiler_config.patch(cache_key_tag="block"):
         unpatched_in_block = _key_of(_plus_one)
     compiler_config.cache_key_tag = ""
     unpatched = _key_of(_plus_one)
-    test_patch.apply()
+    realize_patch.apply()
     with compiler_config.patch(cache_key_tag="block"):
         assert _key_of(_plus_one) != unpatched_in_block
     assert _key_of(_plus_one) != unpatched
 
 
-def test_patch_applied_inside_a_config_patch_block_stays_in_the_key_after_it(test_patch: Any) -> None:
+def test_patch_applied_inside_a_config_patch_block_stays_in_the_key_after_it(realize_patch: Any) -> None:
     """The first torch.compile inside ``config.patch(cache_key_tag=...)`` is where Inductor patches
     apply (they wait for torch._inductor to be imported); leaving the block must not drop them."""
     compiler_config.cache_key_tag = ""
     unpatched = _key_of(_plus_one)
     with compiler_config.patch(cache_key_tag=""):
-        test_patch.apply()
-    assert test_patch.status()["test_realize"].state.value == "applied"
+        realize_patch.apply()
+    assert realize_patch.status()["test_realize"].state.value == "applied"
     assert _key_of(_plus_one) != unpatched
 
 
