@@ -1,0 +1,117 @@
+"""Triton kernel for the adaLN family: gate + residual, LayerNorm + modulate, or both in one pass.
+
+One program per token row (``[B, S, D]`` views, last dim unit-stride, any row strides):
+
+    h   = round(residual + round(gate * y))            (HAS_GATE; fp16: clipped to +-65504 if CLIP)
+    out = round(round(round(LN(h)) * round(1 + scale)) + shift)   (HAS_NORM; LN without affine)
+
+``round`` is a rounding to the tensors' dtype at exactly the points where diffusers' eager code
+rounds (each bf16/fp16 op rounds its fp32 result), so outputs match diffusers bit for bit except
+where the LayerNorm statistics (fp32, another summation order) differ in their last bit.
+``gate``, ``scale`` and ``shift`` are ``[B, S or 1, D]`` views (stride 0 over S when shared).
+
+This module imports triton: import it only when the Triton tier is used.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_common import KINDS, ROUND_TO_PY, _round_to, _sum_combine, interpreted, next_pow2
+
+
+def _modulate_kernel(
+    res_ptr, gate_ptr, y_ptr, scale_ptr, shift_ptr, h_ptr, out_ptr,
+    S, D, eps,
+    r_sb, r_ss, g_sb, g_ss, y_sb, y_ss, c_sb, c_ss, t_sb, t_ss, h_sb, h_ss, o_sb, o_ss,
+    BLOCK_D: tl.constexpr, KIND: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // S
+    s = row - b * S
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    ty = h_ptr.dtype.element_ty
+    x = tl.load(res_ptr + b * r_sb + s * r_ss + d, mask=m, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        g = tl.load(gate_ptr + b * g_sb + s * g_ss + d, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + b * y_sb + s * y_ss + d, mask=m, other=0.0).to(tl.float32)
+        x = _round_to(x + _round_to(g * y, KIND), KIND)
+        if CLIP:  # diffusers' fp16 clip(-65504, 65504); NaN passes through as in torch.clip
+            x = tl.where(x > 65504.0, 65504.0, tl.where(x < -65504.0, -65504.0, x))
+        tl.store(h_ptr + b * h_sb + s * h_ss + d, x.to(ty), mask=m)
+    if HAS_NORM:
+        mean = tl.reduce(x, 0, _sum_combine) / D
+        xc = tl.where(m, x - mean, 0.0)
+        var = tl.reduce(xc * xc, 0, _sum_combine) / D
+        rstd = 1.0 / tl.sqrt(var + eps)
+        n = _round_to(xc * rstd, KIND)
+        sc = tl.load(scale_ptr + b * c_sb + s * c_ss + d, mask=m, other=0.0).to(tl.float32)
+        sh = tl.load(shift_ptr + b * t_sb + s * t_ss + d, mask=m, other=0.0).to(tl.float32)
+        u = _round_to(n * _round_to(1.0 + sc, KIND), KIND)
+        o = _round_to(u + sh, KIND)
+        tl.store(out_ptr + b * o_sb + s * o_ss + d, o.to(ty), mask=m)
+
+
+MODULATE_KERNEL_PY = _modulate_kernel
+_modulate_kernel = triton.jit(MODULATE_KERNEL_PY)
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted_kernel() -> Any:
+    return interpreted(MODULATE_KERNEL_PY, {"_round_to": ROUND_TO_PY})
+
+
+def kernel_for(device_type: str) -> Any:
+    return _modulate_kernel if device_type == "cuda" else _interpreted_kernel()
+
+
+def _num_warps(block_d: int) -> int:
+    # 16 bf16 elements (two 16-byte vectors) per thread for the FLUX widths (3072 -> 4096, 6144 -> 8192).
+    return max(1, min(16, block_d // 512))
+
+
+def _rows(t: Optional[torch.Tensor], ref: torch.Tensor) -> tuple[int, int]:
+    """(batch stride, token stride) of a [B, S or 1, D] view; stride 0 over a broadcast S."""
+    if t is None:
+        return 0, 0
+    return t.stride(0), (t.stride(1) if t.shape[1] != 1 else 0)
+
+
+def launch(
+    residual: torch.Tensor,
+    gate: Optional[torch.Tensor],
+    y: Optional[torch.Tensor],
+    scale: Optional[torch.Tensor],
+    shift: Optional[torch.Tensor],
+    h_out: Optional[torch.Tensor],
+    n_out: Optional[torch.Tensor],
+    *,
+    eps: float,
+    clip: bool,
+) -> None:
+    """All tensors 3-D ``[B, S(or 1), D]`` with a unit-stride last dim (checked by ``ops/modulate.py``)."""
+    B, S, D = residual.shape
+    if B * S == 0:
+        return
+    has_gate = gate is not None
+    has_norm = n_out is not None
+    block_d = next_pow2(D)
+    kernel = kernel_for(residual.device.type)
+    dummy = residual
+    h = h_out if h_out is not None else n_out
+    o = n_out if n_out is not None else h_out
+    kernel[(B * S,)](
+        residual, gate if has_gate else dummy, y if has_gate else dummy,
+        scale if has_norm else dummy, shift if has_norm else dummy, h, o,
+        S, D, float(eps),
+        residual.stride(0), residual.stride(1), *_rows(gate, residual), *_rows(y, residual),
+        *_rows(scale, residual), *_rows(shift, residual), h.stride(0), h.stride(1), o.stride(0), o.stride(1),
+        BLOCK_D=block_d, KIND=KINDS[residual.dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
+        CLIP=bool(clip and residual.dtype == torch.float16), num_warps=_num_warps(block_d),
+    )

@@ -1,0 +1,145 @@
+"""Triton kernel: per-head RMSNorm of q and k, interleaved RoPE, and the text+image concat, in one launch.
+
+Grid: axis 0 walks the ``B * (S_txt + S_img)`` output tokens, axis 1 walks head blocks of q, then
+of k, then (joint attention) of v. A token below ``S_txt`` reads the text tensors (and the text norm
+weights / eps), the others the image tensors, and every program writes its rows of the contiguous
+``[B, S_txt + S_img, H, D]`` outputs: the concat costs no pass of its own. v blocks are a plain copy.
+
+Per q/k head (fp32 math, rounding where diffusers rounds):
+
+    n   = round(x * rsqrt(mean(x^2) + eps) * w)          torch.nn.RMSNorm (torch's fused kernel)
+    out = round(n * cos + rotate(n) * sin)               diffusers apply_rotary_emb, interleaved pairs
+
+Inputs are 4-D ``[B, S, H, D]`` views with a unit-stride head dim; the image tensors share one set of
+strides and the text tensors another (``ops/qk_norm_rope.py`` guarantees both).
+
+This module imports triton: import it only when the Triton tier is used.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._triton_common import KINDS, ROUND_TO_PY, _round_to, _sum_combine, cdiv, interpreted, next_pow2
+
+
+def _qk_norm_rope_kernel(
+    q_ptr, k_ptr, v_ptr, qt_ptr, kt_ptr, vt_ptr,
+    wq_ptr, wk_ptr, wqt_ptr, wkt_ptr, cos_ptr, sin_ptr,
+    qo_ptr, ko_ptr, vo_ptr,
+    S_TXT, S_TOT, H, NHB, eps_q, eps_k, eps_qt, eps_kt,
+    i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sr, s_sr,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    b = tok // S_TOT
+    s = tok - b * S_TOT
+    p = tl.program_id(1)
+    which = p // NHB  # 0: q, 1: k, 2: v
+    h = (p - which * NHB) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = h < H
+    h = h.to(tl.int64)
+    j = tl.arange(0, 2 * HALF)
+    m = hm[:, None] & (j < D)[None, :]
+    ty = qo_ptr.dtype.element_ty
+    # Source of this token: text rows first, then image rows (torch.cat([txt, img], dim=1)).
+    if s < S_TXT:
+        src = b * t_sb + s * t_ss + h[:, None] * t_sh + j[None, :]
+        if which == 0:
+            x_ptr = qt_ptr
+            w_ptr = wqt_ptr
+            eps = eps_qt
+        elif which == 1:
+            x_ptr = kt_ptr
+            w_ptr = wkt_ptr
+            eps = eps_kt
+        else:
+            x_ptr = vt_ptr
+            w_ptr = wqt_ptr
+            eps = eps_qt
+    else:
+        src = b * i_sb + (s - S_TXT) * i_ss + h[:, None] * i_sh + j[None, :]
+        if which == 0:
+            x_ptr = q_ptr
+            w_ptr = wq_ptr
+            eps = eps_q
+        elif which == 1:
+            x_ptr = k_ptr
+            w_ptr = wk_ptr
+            eps = eps_k
+        else:
+            x_ptr = v_ptr
+            w_ptr = wq_ptr
+            eps = eps_q
+    dst = b * o_sb + s * o_ss + h[:, None] * o_sh + j[None, :]
+    if which == 2:
+        x = tl.load(x_ptr + src, mask=m, other=0.0)
+        tl.store(vo_ptr + dst, x, mask=m)
+    else:
+        x = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + j, mask=j < D, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, _sum_combine) / D + eps)
+        n = _round_to((x * rstd[:, None]) * w[None, :], KIND)
+        # Interleaved pairs (a, b) = (n[2i], n[2i+1]); rotate(n) = (-b, a); per-element cos/sin rows.
+        cs = tl.load(cos_ptr + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + s * s_sr + j, mask=j < D, other=0.0).to(tl.float32)
+        ca, cb = tl.split(tl.reshape(cs, [HALF, 2]))
+        sa, sb = tl.split(tl.reshape(sn, [HALF, 2]))
+        a, bb = tl.split(tl.reshape(n, [BLOCK_H, HALF, 2]))
+        oa = a * ca[None, :] - bb * sa[None, :]
+        ob = bb * cb[None, :] + a * sb[None, :]
+        out = _round_to(tl.reshape(tl.join(oa, ob), [BLOCK_H, 2 * HALF]), KIND)
+        if which == 0:
+            tl.store(qo_ptr + dst, out.to(ty), mask=m)
+        else:
+            tl.store(ko_ptr + dst, out.to(ty), mask=m)
+
+
+QK_NORM_ROPE_KERNEL_PY = _qk_norm_rope_kernel
+_qk_norm_rope_kernel = triton.jit(QK_NORM_ROPE_KERNEL_PY)
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted_kernel() -> Any:
+    return interpreted(QK_NORM_ROPE_KERNEL_PY, {"_round_to": ROUND_TO_PY})
+
+
+def kernel_for(device_type: str) -> Any:
+    return _qk_norm_rope_kernel if device_type == "cuda" else _interpreted_kernel()
+
+
+def launch(
+    q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
+    qt: Optional[torch.Tensor], kt: Optional[torch.Tensor], vt: Optional[torch.Tensor],
+    wq: torch.Tensor, wk: torch.Tensor, wqt: Optional[torch.Tensor], wkt: Optional[torch.Tensor],
+    eps: tuple[float, float, float, float],
+    cos: torch.Tensor, sin: torch.Tensor,
+    q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor],
+) -> None:
+    """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``."""
+    B, S_img, H, D = q.shape
+    S_txt = qt.shape[1] if qt is not None else 0
+    S_tot = S_txt + S_img
+    if B * S_tot == 0:
+        return
+    half = next_pow2(D // 2)
+    # ~1024 elements per program with 2 warps: the RoPE kernel's measured best (benchmarks/NOTES-rope.md).
+    block_h = max(1, min(next_pow2(H), 1024 // (2 * half)))
+    nhb = cdiv(H, block_h)
+    tensors = 3 if v_out is not None else 2
+    txt = qt if qt is not None else q
+    kernel = kernel_for(q.device.type)
+    kernel[(B * S_tot, tensors * nhb)](
+        q, k, v if v is not None else q, txt, kt if kt is not None else k, vt if vt is not None else txt,
+        wq, wk, wqt if wqt is not None else wq, wkt if wkt is not None else wk, cos, sin,
+        q_out, k_out, v_out if v_out is not None else q_out,
+        S_txt, S_tot, H, nhb, *[float(e) for e in eps],
+        q.stride(0), q.stride(1), q.stride(2), txt.stride(0), txt.stride(1), txt.stride(2),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2), cos.stride(0), sin.stride(0),
+        D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype],
+        num_warps=2 if block_h * 2 * half >= 512 else 1,
+    )

@@ -1,0 +1,66 @@
+"""Helpers shared by the fused ops' Triton kernels: exact rounding and CPU-interpreter binding.
+
+``_round_to(x, KIND)`` rounds an fp32 value to bf16 (KIND 1) or fp16 (KIND 2) and returns it as
+fp32, so a kernel can round exactly where diffusers' eager code rounds (after every bf16 op) and go
+on computing. bf16 is rounded to nearest-even by integer arithmetic rather than by a cast: Triton's
+CPU interpreter casts fp32 -> bf16 by truncation, which would make CI disagree with the GPU; with
+this helper both round the same way and the final store's cast is exact.
+
+``interpreted(kernel_py, helpers)`` builds the interpreter version of a kernel whatever
+``TRITON_INTERPRET`` said when triton was imported: the interpreter cannot call a compiled
+``@triton.jit`` helper, so the kernel is re-bound to globals whose helpers are interpreted too.
+
+This module imports triton.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Dict
+
+import torch
+import triton
+import triton.language as tl
+
+#: KIND codes of the output dtype (a constexpr of every kernel).
+KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _round_to(x, KIND: tl.constexpr):
+    if KIND == 1:
+        u = x.to(tl.uint32, bitcast=True)
+        r = u + 0x7FFF + ((u >> 16) & 1)  # round half to even on the 16 bits that bf16 drops
+        r = (r >> 16) << 16
+        return tl.where(x != x, x, r.to(tl.float32, bitcast=True))  # NaN stays NaN
+    elif KIND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+ROUND_TO_PY = _round_to
+
+#: The combine function of ``tl.sum``. Kernels reduce with ``tl.reduce(x, axis, _sum_combine)``: the
+#: interpreter recognises it (a numpy sum), whereas ``tl.sum`` itself is a compiled ``@jit`` function
+#: that the interpreter cannot call unless TRITON_INTERPRET=1 was set before triton was imported.
+_sum_combine = tl.standard._sum_combine
+# Kernels call the helper by the global name ``_round_to``: def name and global must agree.
+_round_to = triton.jit(ROUND_TO_PY)
+
+
+def interpreted(kernel_py: Any, helpers: Dict[str, Any]) -> Any:
+    """The interpreter version of ``kernel_py`` with each global ``name`` in ``helpers`` interpreted."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    g = dict(kernel_py.__globals__)
+    for name, helper_py in helpers.items():
+        g[name] = InterpretedFunction(helper_py)
+    fn = types.FunctionType(kernel_py.__code__, g, kernel_py.__name__)
+    return InterpretedFunction(fn)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv: that is a @jit function, slow to call from Python

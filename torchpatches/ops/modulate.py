@@ -1,0 +1,158 @@
+"""adaLN-style fused ops for DiTs: LayerNorm + modulate, gate + residual, and both in one pass.
+
+Usable without any patching::
+
+    out = layer_norm_modulate(x, scale, shift, eps=1e-6)          # LN(x) * (1 + scale) + shift
+    h = gate_residual(residual, gate, y)                          # residual + gate * y
+    h, out = gate_residual_layer_norm_modulate(residual, gate, y, scale, shift, eps=1e-6)
+
+``x``/``residual``/``y`` are ``[B, S, D]`` (last dim unit-stride; other strides free); ``scale``,
+``shift`` and ``gate`` are ``[B, D]`` (one vector per sample, diffusers' adaLN-Zero chunks),
+``[B, 1, D]`` (FLUX.2's modulation) or ``[B, S, D]`` (per-token, FLUX.2's KV-cache blend). The
+LayerNorm has no affine parameters (diffusers' ``elementwise_affine=False``). All tensors share one
+dtype (fp32, bf16, fp16) and device. Outputs are new contiguous tensors.
+
+Numerics: what diffusers computes, rounded where diffusers rounds. In bf16 diffusers runs
+``LN(x)`` (fp32 statistics, one rounding), ``1 + scale``, ``* ``, ``+`` and ``gate * y``,
+``residual + ...`` as separate bf16 ops, each rounding its fp32 result; the fused kernel rounds at
+the same points (``_triton_common._round_to``), so results are bit-identical except where the fp32
+LayerNorm statistics differ in their last bit (another summation order) and that crosses a rounding
+boundary: then one ulp of the LayerNorm output, carried through the modulation. ``clip_fp16=True``
+applies diffusers' fp16 ``clip(-65504, 65504)`` to the residual output.
+
+Tiers (``_fused_tiers``): Triton on CUDA (one program per token row), PyTorch elsewhere (the
+reference). Under ``torch.compile`` each function is one ``torchpatches::modulate`` custom op (with
+a fake implementation), opaque to Inductor.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _modulate_torch
+from ._fused_tiers import choose_tier, force_tier
+
+__all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate", "force_tier"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _vector(t: Optional[torch.Tensor], name: str, ref: torch.Tensor) -> Optional[torch.Tensor]:
+    """[B, D] -> [B, 1, D]; [B, 1 or S, D] as is; ValueError for anything else."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    B, S, D = ref.shape
+    if t.dim() == 2:
+        t = t.unsqueeze(1)
+    if t.dim() != 3 or t.shape[0] != B or t.shape[2] != D or t.shape[1] not in (1, S):
+        raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, S, D] for input {tuple(ref.shape)}, "
+                         f"got {tuple(t.shape)}")
+    if t.dtype != ref.dtype or t.device != ref.device:
+        raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {ref.dtype} on {ref.device}")
+    return t if t.stride(-1) == 1 or D == 1 else t.contiguous()
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(f"{name} must be 3-D [B, S, D], got shape {tuple(t.shape)}")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name} dtype {t.dtype} is not supported; expected float32, bfloat16 or float16")
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _prepare(residual, gate, y, scale, shift):
+    residual = _rows(residual, "x" if gate is None else "residual")
+    if gate is not None:
+        y = _rows(y, "y")
+        if y.shape != residual.shape or y.dtype != residual.dtype or y.device != residual.device:
+            raise ValueError(f"y {tuple(y.shape)} {y.dtype} on {y.device} does not match residual "
+                             f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    return (residual, _vector(gate, "gate", residual), y, _vector(scale, "scale", residual),
+            _vector(shift, "shift", residual))
+
+
+def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
+          scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
+          tier: str) -> list[torch.Tensor]:
+    """The op body: [h] (gate only), [out] (norm only) or [h, out]."""
+    if tier == "torch":
+        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip)
+    else:
+        from . import _modulate_triton
+
+        h = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if gate is not None else None
+        out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if scale is not None else None
+        _modulate_triton.launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip)
+    return [t for t in (h, out) if t is not None]
+
+
+@torch.library.custom_op("torchpatches::modulate", mutates_args=())
+def _modulate_op(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
+                 scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
+                 tier: str) -> list[torch.Tensor]:
+    return _impl(residual, gate, y, scale, shift, eps, clip, tier)
+
+
+@_modulate_op.register_fake
+def _(residual, gate, y, scale, shift, eps, clip, tier):
+    n = int(gate is not None) + int(scale is not None)
+    return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
+
+
+def _run(residual, gate, y, scale, shift, eps, clip, tier):
+    if scale is not None and (shift is None or eps is None):
+        raise ValueError("scale needs shift and eps")
+    residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift)
+    chosen = choose_tier(residual.device.type, tier)
+    if not torch.compiler.is_compiling() and type(residual) is torch.Tensor:
+        return _impl(residual, gate, y, scale, shift, float(eps or 0.0), bool(clip), chosen)
+    return _modulate_op(residual, gate, y, scale, shift, float(eps or 0.0), bool(clip), chosen)
+
+
+def layer_norm_modulate(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    tier: Optional[str] = None,
+) -> torch.Tensor:
+    """``LayerNorm(x) * (1 + scale) + shift`` (LayerNorm without affine), rounded as diffusers rounds.
+
+    Raises:
+        ValueError: on shapes, dtypes or devices that do not fit (see the module docstring).
+    """
+    return _run(x, None, None, scale, shift, eps, False, tier)[0]
+
+
+def gate_residual(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    clip_fp16: bool = False,
+    tier: Optional[str] = None,
+) -> torch.Tensor:
+    """``residual + gate * y`` (``gate`` broadcast over tokens), rounded as diffusers rounds."""
+    return _run(residual, gate, y, None, None, None, clip_fp16, tier)[0]
+
+
+def gate_residual_layer_norm_modulate(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    y: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    clip_fp16: bool = False,
+    tier: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + gate * y`` and ``LayerNorm(h) * (1 + scale) + shift`` in one pass: ``(h, out)``."""
+    h, out = _run(residual, gate, y, scale, shift, eps, clip_fp16, tier)
+    return h, out

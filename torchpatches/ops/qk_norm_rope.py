@@ -1,0 +1,204 @@
+"""q/k RMSNorm + RoPE (+ the text/image concat of joint attention) in one op: what a FLUX processor does
+between its projections and the attention call.
+
+Usable without any patching::
+
+    q, k, v = qk_norm_rope(q, k, cos, sin, q_weight=wq, k_weight=wk, eps_q=1e-6, eps_k=1e-6)
+    # joint attention (FLUX double blocks): text rows first, as torch.cat([txt, img], dim=1)
+    q, k, v = qk_norm_rope(q, k, cos, sin, q_weight=wq, k_weight=wk, eps_q=1e-6, eps_k=1e-6,
+                           v=v, q_txt=tq, k_txt=tk, v_txt=tv, q_txt_weight=wtq, k_txt_weight=wtk,
+                           eps_q_txt=1e-6, eps_k_txt=1e-6)
+
+q, k (and v) are ``[B, S, H, D]`` views (diffusers' layout after ``unflatten``; any strides with a
+unit-stride head dim, e.g. chunks of a fused QKV projection); the text tensors are
+``[B, S_txt, H, D]``. ``cos``/``sin`` are fp32 ``[S_txt + S, D]`` with one value per element and
+interleaved pairs (diffusers' FLUX ``FluxPosEmbed`` / ``Flux2PosEmbed`` output). The weights are
+``[D]`` RMSNorm weights in the tensors' dtype. Returns new contiguous ``q``, ``k`` and ``v``
+(``[B, S_txt + S, H, D]``); without text tensors ``v`` is returned as given (nothing to concat).
+
+Numerics: torch.nn.RMSNorm (fp32 statistics, ``x * rstd * w`` rounded once, as torch's fused kernel)
+followed by diffusers' ``apply_rotary_emb`` (fp32 ``n * cos + rotate(n) * sin``, rounded once).
+Differences from diffusers come only from fp32 reduction order / fused multiply-adds crossing a
+rounding boundary: at most one ulp of the output dtype.
+
+Tiers (``_fused_tiers``): Triton on CUDA (one launch for q, k, v), PyTorch elsewhere. Under
+``torch.compile`` the call is one ``torchpatches::qk_norm_rope`` custom op (with a fake).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._fused_tiers import choose_tier, force_tier
+
+__all__ = ["qk_norm_rope", "force_tier"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------------------ torch tier
+
+
+def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # diffusers.models.embeddings.apply_rotary_emb(use_real=True, use_real_unbind_dim=-1, sequence_dim=1)
+    cos, sin = cos[None, :, None], sin[None, :, None]
+    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+    return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+
+def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin):
+    q = F.rms_norm(q, (q.shape[-1],), wq, eps[0])
+    k = F.rms_norm(k, (k.shape[-1],), wk, eps[1])
+    if qt is not None:
+        q = torch.cat([F.rms_norm(qt, (qt.shape[-1],), wqt, eps[2]), q], dim=1)
+        k = torch.cat([F.rms_norm(kt, (kt.shape[-1],), wkt, eps[3]), k], dim=1)
+        v = torch.cat([vt, v], dim=1)
+    return [_rope_torch(q, cos, sin), _rope_torch(k, cos, sin), v]
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+
+
+def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, tier) -> list[torch.Tensor]:
+    if tier == "torch":
+        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin)
+    from . import _qk_norm_rope_triton
+
+    B, S, H, D = q.shape
+    S_all = S + (qt.shape[1] if qt is not None else 0)
+    new = lambda: torch.empty((B, S_all, H, D), dtype=q.dtype, device=q.device)  # noqa: E731
+    q_out, k_out = new(), new()
+    v_out = new() if qt is not None else None
+    _qk_norm_rope_triton.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out)
+    return [q_out, k_out, v_out if v_out is not None else v]
+
+
+@torch.library.custom_op("torchpatches::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], q_txt: Optional[torch.Tensor],
+                     k_txt: Optional[torch.Tensor], v_txt: Optional[torch.Tensor], q_weight: torch.Tensor,
+                     k_weight: torch.Tensor, q_txt_weight: Optional[torch.Tensor],
+                     k_txt_weight: Optional[torch.Tensor], eps: list[float], cos: torch.Tensor,
+                     sin: torch.Tensor, tier: str) -> list[torch.Tensor]:
+    outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, tuple(eps),
+                 cos, sin, tier)
+    # A custom op may not return an input (v without text tensors): hand back a copy when traced.
+    return [o.clone() if o is v else o for o in outs if o is not None]
+
+
+@_qk_norm_rope_op.register_fake
+def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, eps, cos, sin, tier):
+    B, S, H, D = q.shape
+    S_all = S + (q_txt.shape[1] if q_txt is not None else 0)
+    n = 3 if v is not None else 2
+    return [q.new_empty((B, S_all, H, D)) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def _check_4d(t: Optional[torch.Tensor], name: str, ref: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"{name} dtype {t.dtype} is not supported; expected float32, bfloat16 or float16")
+    if ref is not None:
+        if t.dtype != ref.dtype or t.device != ref.device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {ref.dtype} on {ref.device}")
+        if t.shape[0] != ref.shape[0] or t.shape[2:] != ref.shape[2:]:
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match q {tuple(ref.shape)} in batch, "
+                             "heads or head dim")
+    for size, stride in zip(t.shape, t.stride()):
+        if stride == 0 and size > 1:
+            raise ValueError(f"{name} has overlapping memory (an expanded view)")
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_weight(w: Optional[torch.Tensor], name: str, q: torch.Tensor) -> Optional[torch.Tensor]:
+    if w is None:
+        return None
+    if not isinstance(w, torch.Tensor) or w.shape != (q.shape[-1],):
+        raise ValueError(f"{name} must be a [{q.shape[-1]}] tensor, got "
+                         f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+    if w.dtype != q.dtype or w.device != q.device:
+        # torch.nn.RMSNorm only runs its fused kernel (one rounding) when the dtypes match.
+        raise ValueError(f"{name} is {w.dtype} on {w.device}; expected {q.dtype} on {q.device}")
+    return w.contiguous()
+
+
+def _same_strides(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The kernel takes one set of strides per group: copy any tensor that differs (rare)."""
+    first = tensors[0].stride()
+    return [t if t.stride() == first else t.contiguous() for t in tensors]
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps_q: float,
+    eps_k: float,
+    v: Optional[torch.Tensor] = None,
+    q_txt: Optional[torch.Tensor] = None,
+    k_txt: Optional[torch.Tensor] = None,
+    v_txt: Optional[torch.Tensor] = None,
+    q_txt_weight: Optional[torch.Tensor] = None,
+    k_txt_weight: Optional[torch.Tensor] = None,
+    eps_q_txt: Optional[float] = None,
+    eps_k_txt: Optional[float] = None,
+    tier: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """RMSNorm q and k per head, concat text rows in front (if given), rotate q and k; returns (q, k, v).
+
+    Raises:
+        ValueError: on any input that does not fit, before anything is computed.
+    """
+    q = _check_4d(q, "q", None)
+    k = _check_4d(k, "k", q)
+    if k.shape != q.shape:
+        raise ValueError(f"k shape {tuple(k.shape)} differs from q {tuple(q.shape)}")
+    if q.shape[-1] % 2:
+        raise ValueError(f"head dim {q.shape[-1]} must be even for interleaved RoPE")
+    joint = q_txt is not None
+    if joint:
+        if any(t is None for t in (k_txt, v_txt, v, q_txt_weight, k_txt_weight, eps_q_txt, eps_k_txt)):
+            raise ValueError("joint attention needs v, q_txt, k_txt, v_txt, both text weights and both text eps")
+        qt = _check_4d(q_txt, "q_txt", q)
+        kt, vt = _check_4d(k_txt, "k_txt", q), _check_4d(v_txt, "v_txt", q)
+        if not (qt.shape == kt.shape == vt.shape):
+            raise ValueError("q_txt, k_txt and v_txt shapes differ")
+        v = _check_4d(v, "v", q)
+        if v.shape != q.shape:
+            raise ValueError(f"v shape {tuple(v.shape)} differs from q {tuple(q.shape)}")
+        q, k, v = _same_strides([q, k, v])
+        qt, kt, vt = _same_strides([qt, kt, vt])
+    else:
+        qt = kt = vt = None
+        q, k = _same_strides([q, k])
+    wq, wk = _check_weight(q_weight, "q_weight", q), _check_weight(k_weight, "k_weight", q)
+    wqt = _check_weight(q_txt_weight, "q_txt_weight", q) if joint else None
+    wkt = _check_weight(k_txt_weight, "k_txt_weight", q) if joint else None
+    S_all = q.shape[1] + (qt.shape[1] if joint else 0)
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != q.device:
+            raise ValueError(f"{name} must be an fp32 tensor on {q.device}")
+        if tuple(t.shape) != (S_all, q.shape[-1]) or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be [S_txt + S, D] = [{S_all}, {q.shape[-1]}] with a unit-stride "
+                             f"last dim, got {tuple(t.shape)}")
+    eps = (float(eps_q), float(eps_k), float(eps_q_txt if joint else eps_q), float(eps_k_txt if joint else eps_k))
+    chosen = choose_tier(q.device.type, tier)
+    if not torch.compiler.is_compiling() and type(q) is torch.Tensor:
+        q_out, k_out, v_out = _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, chosen)
+        return q_out, k_out, v_out
+    outs = _qk_norm_rope_op(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos, sin, chosen)
+    return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)

@@ -1,0 +1,109 @@
+"""adaln: diffusers' adaptive LayerNorms (LayerNorm + ``* (1 + scale) + shift``) as one kernel in eager mode.
+
+What goes wrong upstream
+    ``AdaLayerNormZero``, ``AdaLayerNormZeroSingle`` and ``AdaLayerNormContinuous``
+    (``diffusers/models/normalization.py``) compute ``self.norm(x) * (1 + scale) + shift`` as four
+    eager ops (LayerNorm, ``1 + scale``, multiply, add): three full passes over the ``[B, S, D]``
+    activations, and torch's LayerNorm kernel itself runs far below the memory bandwidth at FLUX's
+    widths (LayerNorm alone was 9.2 ms of a 151.6 ms eager FLUX.1-dev step on an H100, issue 8).
+    ``torch.compile`` fuses all of it; eager users pay it on every block. No upstream issue or fix as
+    of diffusers 0.42.1.
+
+What the patch changes
+    The three ``forward`` methods run the embedding Linear as before (``self.linear(self.silu(emb))``,
+    so LoRA layers and hooks on it keep working) and then ``torchpatches.ops.modulate.layer_norm_modulate``:
+    one pass that reads ``x`` once and writes the modulated output once. The same kernel is used for the
+    LayerNorm + modulate that FLUX.1's double block (``norm2``) and FLUX.2's blocks write inline, by the
+    ``gate_residual`` patch while this one is applied. Every call the kernel does not cover goes to
+    diffusers' own forward: ``torch.compile`` (Inductor fuses it already), norms other than a stock
+    ``nn.LayerNorm`` without affine parameters (``fp32_layer_norm``, ``rms_norm``, affine norms), hooked
+    norms, gradients, tensor subclasses, CPU tensors, mismatched dtypes.
+
+Tolerance
+    Bit-identical to diffusers except where the fp32 LayerNorm statistics differ in their last bit
+    from torch's (another summation order) and that crosses a rounding boundary: one ulp of the
+    LayerNorm output, carried through the modulation (``ops/modulate.py``).
+
+Versions
+    diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4 (tested on 2.11 and 2.13; GPU on
+    2.11.0+cu130).
+
+When to delete
+    When diffusers ships fused adaLN kernels for eager mode (e.g. through its kernels hub).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .._declare import Patch, Target
+from ._fused_common import device_served, grad_free, make_method, no_global_hooks, plain_layer_norm
+from ._modulate_calls import modulated
+
+__all__ = ["PATCH"]
+
+_NORMALIZATION = "diffusers.models.normalization"
+
+
+def _eligible(self: Any, x: Any, *tensors: Any) -> bool:
+    return (
+        isinstance(x, torch.Tensor)
+        and device_served(x)
+        and x.dim() == 3
+        and plain_layer_norm(self.norm, x.shape[-1])
+        and no_global_hooks()
+        and grad_free((self,), x, *tensors)
+    )
+
+
+def _zero(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+        if torch.compiler.is_compiling() or not _eligible(self, x, emb):
+            return original(self, x, timestep, class_labels, hidden_dtype, emb)
+        if self.emb is not None:
+            emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+        x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
+        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+    return make_method(original, "adaln", forward)
+
+
+def _zero_single(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, x, emb=None):
+        if torch.compiler.is_compiling() or not _eligible(self, x, emb):
+            return original(self, x, emb)
+        emb = self.linear(self.silu(emb))
+        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+        x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
+        return x, gate_msa
+
+    return make_method(original, "adaln", forward)
+
+
+def _continuous(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, x, conditioning_embedding):
+        if torch.compiler.is_compiling() or not _eligible(self, x, conditioning_embedding):
+            return original(self, x, conditioning_embedding)
+        emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+        scale, shift = torch.chunk(emb, 2, dim=1)
+        return modulated(self.norm, x, scale, shift, fuse=True)
+
+    return make_method(original, "adaln", forward)
+
+
+PATCH = Patch(
+    name="adaln",
+    summary="diffusers adaLN (LayerNorm + modulate) as one kernel in eager mode",
+    targets=(
+        Target(f"{_NORMALIZATION}:AdaLayerNormZero.forward", make_replacement=_zero,
+               fingerprints=frozenset({"099c201ecf64710b"})),  # diffusers 0.42.1
+        Target(f"{_NORMALIZATION}:AdaLayerNormZeroSingle.forward", make_replacement=_zero_single,
+               fingerprints=frozenset({"6e0c5aa5daa844ce"})),  # diffusers 0.42.1
+        Target(f"{_NORMALIZATION}:AdaLayerNormContinuous.forward", make_replacement=_continuous,
+               fingerprints=frozenset({"9cc655ba4fb2bfec"})),  # diffusers 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)

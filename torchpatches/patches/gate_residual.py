@@ -1,0 +1,248 @@
+"""gate_residual: FLUX.1/FLUX.2 blocks with ``residual + gate * out`` (and the LayerNorm + modulate after it)
+as one kernel, and FLUX.1's single-block concats without their copies (eager).
+
+What goes wrong upstream
+    Every FLUX block ends its attention and MLP halves with ``hidden_states + gate.unsqueeze(1) * out``:
+    two eager ops (multiply, add), five passes over ``[B, S, D]`` where three suffice; in double blocks
+    the result is immediately LayerNormed and modulated (``norm2(h) * (1 + scale) + shift``, four more
+    ops, inline in the block's forward). FLUX.1's single block also concatenates its inputs
+    (``torch.cat([encoder_hidden_states, hidden_states])``, although the previous single block returned
+    them as two adjacent slices of one tensor) and concatenates the attention output with the GELU'd MLP
+    output (``torch.cat([attn, gelu(mlp)], dim=2)``, a copy of ``[B, S, 5 * D]``) right before
+    ``proj_out``. ``torch.compile`` removes all of it; eager users pay it in every block.
+
+What the patch changes
+    The four block ``forward`` methods (``FluxTransformerBlock``, ``FluxSingleTransformerBlock``,
+    ``Flux2TransformerBlock``, ``Flux2SingleTransformerBlock``) keep every module call of diffusers' code
+    (norm1, attention, feed-forward, projections: LoRA layers and hooks on them keep working) and replace
+    the tensor glue:
+
+    - ``residual + gate * out`` by ``ops.modulate.gate_residual`` (one pass), with the fp16 clip where
+      diffusers clips;
+    - ``h = h + gate * attn`` followed by the inline LayerNorm + modulate by
+      ``ops.modulate.gate_residual_layer_norm_modulate`` (one pass, two outputs) while the ``adaln`` patch
+      is applied, and FLUX.2's inline pre-attention LayerNorm + modulate by ``layer_norm_modulate``;
+    - FLUX.1 single block: the input concat is a view when the two inputs are adjacent slices of one
+      tensor (every single block after the first), and ``gelu(proj_mlp(x))`` is written straight into the
+      buffer ``proj_out`` reads (torch's own GELU kernel with ``out=``, so the values are diffusers'), so
+      only the attention output is copied into it.
+
+    Every call it does not cover runs diffusers' forward: ``torch.compile``, IP-adapter processors (FLUX.1
+    double block), hooked or non-stock norms and activations it would skip, gradients, tensor
+    subclasses, CPU tensors.
+
+Tolerance
+    Bit-identical to diffusers for the gate + residual (same roundings); the fused LayerNorm as in the
+    ``adaln`` patch (one ulp where fp32 statistics differ in their last bit).
+
+Versions
+    diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4.
+
+When to delete
+    When diffusers fuses the block glue for eager mode.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import torch
+
+from .._declare import Patch, Target
+from ._fused_common import device_served, grad_free, make_method, no_global_hooks, pattern_on, plain_module
+from ._modulate_calls import modulated, residual, residual_modulated
+
+__all__ = ["PATCH", "joined"]
+
+_FLUX = "diffusers.models.transformers.transformer_flux"
+_FLUX2 = "diffusers.models.transformers.transformer_flux2"
+
+
+def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([first, second], dim=1)``, as a view when ``second`` starts where ``first`` ends.
+
+    The previous FLUX.1 single block returns ``out[:, :T]`` and ``out[:, T:]`` of one contiguous tensor;
+    viewing them as one is what the concat would compute, without the copy. The view aliases that
+    tensor, which nothing writes to (every block writes new tensors).
+    """
+    if (
+        type(first) is torch.Tensor
+        and type(second) is torch.Tensor
+        and first.dim() == 3
+        and second.dim() == 3
+        and first.dtype == second.dtype
+        and first.device == second.device
+        and first.shape[0] == second.shape[0]
+        and first.shape[2] == second.shape[2]
+        and first.stride() == second.stride()
+        and first.stride(2) == 1
+        and first.stride(1) == first.shape[2]
+        and (first.shape[0] == 1 or first.stride(0) == (first.shape[1] + second.shape[1]) * first.stride(1))
+        and first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+        and second.storage_offset() == first.storage_offset() + first.shape[1] * first.stride(1)
+    ):
+        B, T, D = first.shape
+        return first.as_strided((B, T + second.shape[1], D), first.stride(), first.storage_offset())
+    return torch.cat([first, second], dim=1)
+
+
+def _block_ok(block: Any, *tensors: Any) -> bool:
+    x = tensors[0]
+    return (
+        isinstance(x, torch.Tensor)
+        and device_served(x)
+        and x.dim() == 3
+        and all(type(t) is torch.Tensor for t in tensors if t is not None)
+        and no_global_hooks()
+        and grad_free((block,), *tensors)
+    )
+
+
+def _flux_double(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
+        if torch.compiler.is_compiling() or not (
+            _block_ok(self, hidden_states, encoder_hidden_states, temb)
+            and type(self.attn.processor) is sys.modules[_FLUX].FluxAttnProcessor  # not IP-adapter (3 outputs)
+        ):
+            return original(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb
+        )
+        joint_attention_kwargs = joint_attention_kwargs or {}
+        attn_output, context_attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            encoder_hidden_states=norm_encoder_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
+        hidden_states, norm_hidden_states = residual_modulated(
+            self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
+        )
+        ff_output = self.ff(norm_hidden_states)
+        hidden_states = residual(hidden_states, gate_mlp, ff_output, clip=False)
+        encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
+            self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp
+        )
+        context_ff_output = self.ff_context(norm_encoder_hidden_states)
+        encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, context_ff_output, clip=True)
+        return encoder_hidden_states, hidden_states
+
+    return make_method(original, "gate_residual", forward)
+
+
+def _gelu_tanh_ok(act: Any) -> bool:
+    return plain_module(act, torch.nn.GELU) and act.approximate == "tanh"
+
+
+def _flux_single(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
+        if torch.compiler.is_compiling() or not (
+            _block_ok(self, hidden_states, encoder_hidden_states, temb) and _gelu_tanh_ok(self.act_mlp)
+        ):
+            return original(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = joined(encoder_hidden_states, hidden_states)
+        residual_states = hidden_states
+        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+        mlp = self.proj_mlp(norm_hidden_states)
+        # [attention output | gelu(mlp)]: the GELU writes its half of proj_out's input directly.
+        width = self.attn.inner_dim
+        buf = mlp.new_empty((*mlp.shape[:-1], width + mlp.shape[-1]))
+        torch._C._nn.gelu(mlp, approximate="tanh", out=buf[..., width:])
+        del mlp
+        joint_attention_kwargs = joint_attention_kwargs or {}
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
+        if attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype:
+            buf[..., :width].copy_(attn_output)
+        else:  # a processor returned another width or dtype: the concat diffusers would do
+            buf = torch.cat([attn_output, buf[..., width:]], dim=2)
+        hidden_states = residual(residual_states, gate, self.proj_out(buf), clip=True)
+        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+        return encoder_hidden_states, hidden_states
+
+    return make_method(original, "gate_residual", forward)
+
+
+def _flux2_double(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb=None,
+                joint_attention_kwargs=None):
+        if torch.compiler.is_compiling() or not _block_ok(
+            self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt
+        ):
+            return original(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb,
+                            joint_attention_kwargs)
+        split = sys.modules[_FLUX2].Flux2Modulation.split
+        joint_attention_kwargs = joint_attention_kwargs or {}
+        (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(temb_mod_img, 2)
+        (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split(temb_mod_txt, 2)
+        fuse = pattern_on("adaln")
+        norm_hidden_states = modulated(self.norm1, hidden_states, scale_msa, shift_msa, fuse=fuse)
+        norm_encoder_hidden_states = modulated(self.norm1_context, encoder_hidden_states, c_scale_msa, c_shift_msa,
+                                               fuse=fuse)
+        attn_output, context_attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            encoder_hidden_states=norm_encoder_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
+        hidden_states, norm_hidden_states = residual_modulated(
+            self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
+        )
+        ff_output = self.ff(norm_hidden_states)
+        hidden_states = residual(hidden_states, gate_mlp, ff_output, clip=False)
+        encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
+            self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp
+        )
+        context_ff_output = self.ff_context(norm_encoder_hidden_states)
+        encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, context_ff_output, clip=True)
+        return encoder_hidden_states, hidden_states
+
+    return make_method(original, "gate_residual", forward)
+
+
+def _flux2_single(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
+                joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
+        if torch.compiler.is_compiling() or not _block_ok(self, hidden_states, encoder_hidden_states, temb_mod):
+            return original(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb,
+                            joint_attention_kwargs, split_hidden_states, text_seq_len)
+        if encoder_hidden_states is not None:
+            text_seq_len = encoder_hidden_states.shape[1]
+            hidden_states = joined(encoder_hidden_states, hidden_states)
+        mod_shift, mod_scale, mod_gate = sys.modules[_FLUX2].Flux2Modulation.split(temb_mod, 1)[0]
+        norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=pattern_on("adaln"))
+        joint_attention_kwargs = joint_attention_kwargs or {}
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **joint_attention_kwargs,
+        )
+        hidden_states = residual(hidden_states, mod_gate, attn_output, clip=True)
+        if split_hidden_states:
+            encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+            return encoder_hidden_states, hidden_states
+        return hidden_states
+
+    return make_method(original, "gate_residual", forward)
+
+
+PATCH = Patch(
+    name="gate_residual",
+    summary="FLUX blocks: gate + residual (+ next LayerNorm/modulate) in one kernel, concats without copies (eager)",
+    targets=(
+        Target(f"{_FLUX}:FluxTransformerBlock.forward", make_replacement=_flux_double,
+               fingerprints=frozenset({"2ddc89c799fd6eca"})),  # diffusers 0.42.1
+        Target(f"{_FLUX}:FluxSingleTransformerBlock.forward", make_replacement=_flux_single,
+               fingerprints=frozenset({"febf6aee7ca882b6"})),  # diffusers 0.42.1
+        Target(f"{_FLUX2}:Flux2TransformerBlock.forward", make_replacement=_flux2_double,
+               fingerprints=frozenset({"47bed5da14990da5"})),  # diffusers 0.42.1
+        Target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", make_replacement=_flux2_single,
+               fingerprints=frozenset({"12422e38cc8c135b"})),  # diffusers 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)

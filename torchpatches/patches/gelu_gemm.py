@@ -1,0 +1,67 @@
+"""gelu_gemm: diffusers' ``GELU(approximate="tanh")`` projection with the GELU in the GEMM epilogue (eager).
+
+What goes wrong upstream
+    ``diffusers.models.activations.GELU`` (the first half of ``FeedForward(activation_fn=
+    "gelu-approximate")``, FLUX.1's double-block MLPs) runs ``self.proj`` (a cuBLAS GEMM) and then
+    ``F.gelu(..., approximate="tanh")`` as a separate kernel: one more read and write of the
+    ``[tokens, 4 * dim]`` activation (FLUX.1-dev: 4608 x 12288 bf16, 226 MB per MLP). cuBLASLt can apply
+    the tanh GELU in the GEMM's epilogue at no extra pass; torch exposes it as
+    ``torch._addmm_activation(bias, x, W.T, use_gelu=True)``, which diffusers does not use.
+
+What the patch changes
+    ``GELU.forward`` calls ``torchpatches.ops.linear_gelu.linear_gelu_tanh`` with ``self.proj``'s weight
+    and bias when the projection is a stock, unhooked ``nn.Linear`` with a bias, on CUDA in bf16/fp16,
+    without gradients; everything else (exact GELU, LoRA/PEFT-wrapped ``proj``, hooks, CPU, fp32,
+    ``torch.compile``) runs diffusers' forward. On CPU ``torch._addmm_activation(use_gelu=True)`` computes
+    the *erf* GELU, so the op never uses it there (checked on torch 2.11 and 2.13).
+
+Tolerance
+    The epilogue applies GELU to the fp32 accumulator plus bias and rounds once, where diffusers
+    rounds the GEMM output and then the GELU of it: outputs differ by about one ulp (the fused one is
+    the more accurate). Measured on the GPU in ``benchmarks/fused.py``.
+
+Versions
+    diffusers 0.42.x (fingerprint verified on 0.42.1); torch >= 2.4 with CUDA (cuBLASLt).
+
+When to delete
+    When diffusers (or torch's ``F.linear``) fuses the activation into the GEMM in eager mode.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .._declare import Patch, Target
+from ..ops.linear_gelu import linear_gelu_tanh, lt_tier_fits
+from ._fused_common import grad_free, make_method, no_global_hooks, plain_module
+
+__all__ = ["PATCH"]
+
+
+def _make(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, hidden_states):
+        if torch.compiler.is_compiling() or not (
+            self.approximate == "tanh"
+            and type(hidden_states) is torch.Tensor
+            and plain_module(self.proj, torch.nn.Linear)
+            and type(self.proj.weight) is torch.nn.Parameter
+            and lt_tier_fits(hidden_states, self.proj.weight, self.proj.bias)
+            and no_global_hooks()
+            and grad_free((self,), hidden_states)
+        ):
+            return original(self, hidden_states)
+        return linear_gelu_tanh(hidden_states, self.proj.weight, self.proj.bias, tier="cublaslt")
+
+    return make_method(original, "gelu_gemm", forward)
+
+
+PATCH = Patch(
+    name="gelu_gemm",
+    summary="diffusers GELU(tanh) projection with the GELU in the cuBLASLt epilogue (eager, CUDA)",
+    targets=(
+        Target("diffusers.models.activations:GELU.forward", make_replacement=_make,
+               fingerprints=frozenset({"d6728e812cd51ebb"})),  # diffusers 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)

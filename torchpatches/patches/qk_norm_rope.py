@@ -1,0 +1,268 @@
+"""qk_norm_rope: FLUX attention processors with q/k RMSNorm, RoPE and the text/image concat in one kernel (eager).
+
+What goes wrong upstream
+    Between the QKV projections and the attention call, diffusers' FLUX processors
+    (``FluxAttnProcessor``, ``Flux2AttnProcessor``, ``Flux2ParallelSelfAttnProcessor``) run four
+    ``torch.nn.RMSNorm`` calls (q, k, and in double blocks the text q, k), three ``torch.cat`` of the
+    text and image rows (q, k, v) and two ``apply_rotary_emb`` calls: nine passes over
+    ``[B, S, H, D]`` tensors where one read of each input and one write of each output suffice. The
+    ``rope`` patch already makes the RoPE one kernel; this patch takes the whole stretch. FLUX.2's single
+    blocks also concatenate the attention output with the SwiGLU output before ``to_out``.
+
+What the patch changes
+    The three ``__call__`` methods run the projections and the attention exactly as diffusers does
+    (module calls, so LoRA layers and hooks on them keep working) and replace the stretch in between
+    by ``torchpatches.ops.qk_norm_rope.qk_norm_rope``: one launch that normalizes q and k per head,
+    rotates them and writes q, k (and v) straight into the contiguous joint ``[B, S_txt + S_img, H, D]``
+    tensors. For FLUX.2's single blocks, while the ``swiglu`` patch is applied, the SwiGLU output is
+    written straight into the buffer ``to_out`` reads (only the attention output is copied into it).
+    Everything else runs diffusers' own ``__call__``: ``torch.compile`` (Inductor fuses this stretch
+    itself), norms that are not stock ``torch.nn.RMSNorm`` with a weight of the activations' dtype, hooked
+    norms, no rotary embedding or one that is not FLUX's fp32 ``(cos, sin)`` tables, context/tensor
+    parallel configs, gradients, tensor subclasses, CPU tensors.
+
+Tolerance
+    torch's fused RMSNorm then diffusers' RoPE, rounding at the same two points; fp32 reduction order
+    and fused multiply-adds may move a result by one ulp (``ops/qk_norm_rope.py``).
+
+Versions
+    diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4.
+
+When to delete
+    When diffusers fuses q/k norm and RoPE for eager mode (e.g. through its kernels hub).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+from .._declare import Patch, Target
+from ..ops.qk_norm_rope import qk_norm_rope
+from ..ops.swiglu import swiglu
+from ._fused_common import (
+    device_served,
+    grad_free,
+    make_method,
+    no_global_hooks,
+    pattern_on,
+    plain_module,
+    plain_rms_norm,
+)
+
+__all__ = ["PATCH"]
+
+_FLUX = "diffusers.models.transformers.transformer_flux"
+_FLUX2 = "diffusers.models.transformers.transformer_flux2"
+
+
+def _rotary_fits(image_rotary_emb: Any, x: torch.Tensor, rows: int) -> bool:
+    if not isinstance(image_rotary_emb, (tuple, list)) or len(image_rotary_emb) != 2:
+        return False
+    for t in image_rotary_emb:
+        if type(t) is not torch.Tensor or t.dtype != torch.float32 or t.device != x.device:
+            return False
+        if tuple(t.shape) != (rows, x.shape[-1]) or t.stride(-1) != 1:
+            return False
+    return True
+
+
+def _common_ok(processor: Any, attn: Any, hidden_states: Any, image_rotary_emb: Any) -> bool:
+    return (
+        isinstance(hidden_states, torch.Tensor)
+        and device_served(hidden_states)
+        and hidden_states.dim() == 3
+        and image_rotary_emb is not None
+        and getattr(processor, "_parallel_config", None) is None
+        and no_global_hooks()
+        and grad_free((attn,), hidden_states)
+    )
+
+
+def _norms_ok(attn: Any, x: torch.Tensor, joint: bool) -> bool:
+    norms = (attn.norm_q, attn.norm_k) + ((attn.norm_added_q, attn.norm_added_k) if joint else ())
+    return all(plain_rms_norm(norm, x) for norm in norms)
+
+
+def _split_heads(attn: Any, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.unflatten(-1, (-1, attn.head_dim)) for t in tensors]
+
+
+def _fused_qkv(attn: Any, query, key, value, encoder_query, encoder_key, encoder_value, image_rotary_emb, joint):
+    """None if a tensor does not fit (the caller then finishes with diffusers' code), else (q, k, v)."""
+    if any(type(t) is not torch.Tensor for t in (query, key, value)):
+        return None
+    query, key, value = _split_heads(attn, query, key, value)
+    if joint:
+        encoder_query, encoder_key, encoder_value = _split_heads(attn, encoder_query, encoder_key, encoder_value)
+    rows = query.shape[1] + (encoder_query.shape[1] if joint else 0)
+    if not (_rotary_fits(image_rotary_emb, query, rows) and _norms_ok(attn, query, joint)):
+        return None
+    cos, sin = image_rotary_emb
+    extra = {}
+    if joint:
+        extra = dict(v=value, q_txt=encoder_query, k_txt=encoder_key, v_txt=encoder_value,
+                     q_txt_weight=attn.norm_added_q.weight, k_txt_weight=attn.norm_added_k.weight,
+                     eps_q_txt=attn.norm_added_q.eps, eps_k_txt=attn.norm_added_k.eps)
+    try:
+        q, k, v = qk_norm_rope(query, key, cos, sin, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
+                               eps_q=attn.norm_q.eps, eps_k=attn.norm_k.eps, **extra)
+    except ValueError:  # e.g. a projection returned another dtype; the op checks before it computes
+        return None
+    return q, k, (v if joint else value)
+
+
+def _diffusers_qkv(attn: Any, query, key, value, encoder_query, encoder_key, encoder_value, image_rotary_emb, joint,
+                   apply_rotary_emb: Callable[..., Any]):
+    """The original processors' code for the same stretch (used when a tensor does not fit the op)."""
+    query, key, value = _split_heads(attn, query, key, value)
+    query = attn.norm_q(query)
+    key = attn.norm_k(key)
+    if joint:
+        encoder_query, encoder_key, encoder_value = _split_heads(attn, encoder_query, encoder_key, encoder_value)
+        encoder_query = attn.norm_added_q(encoder_query)
+        encoder_key = attn.norm_added_k(encoder_key)
+        query = torch.cat([encoder_query, query], dim=1)
+        key = torch.cat([encoder_key, key], dim=1)
+        value = torch.cat([encoder_value, value], dim=1)
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    return query, key, value
+
+
+def _qkv(module: Any, attn: Any, hidden_states, encoder_hidden_states, image_rotary_emb, joint: bool):
+    projections = module._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+    fused = _fused_qkv(attn, *projections, image_rotary_emb, joint)
+    if fused is not None:
+        return fused
+    return _diffusers_qkv(attn, *projections, image_rotary_emb, joint, module.apply_rotary_emb)
+
+
+def _joint_ok(attn: Any, encoder_hidden_states: Optional[torch.Tensor]) -> Optional[bool]:
+    """True (joint), False (self-attention only) or None (a form the original handles differently)."""
+    if attn.added_kv_proj_dim is None:
+        return False
+    if encoder_hidden_states is None:
+        return None  # the original would fail on None text projections: let it say so
+    return True
+
+
+def _flux(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        joint = None if torch.compiler.is_compiling() else _joint_ok(attn, encoder_hidden_states)
+        if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb):
+            return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        module = sys.modules[_FLUX]
+        query, key, value = _qkv(module, attn, hidden_states, encoder_hidden_states, image_rotary_emb, joint)
+        # The rest is diffusers 0.42.1 FluxAttnProcessor.__call__ unchanged.
+        hidden_states = module.dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            hidden_states = attn.to_out[0](hidden_states.contiguous())
+            hidden_states = attn.to_out[1](hidden_states)
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+    return make_method(original, "qk_norm_rope", __call__)
+
+
+def _flux2(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+        joint = None if torch.compiler.is_compiling() else _joint_ok(attn, encoder_hidden_states)
+        if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb):
+            return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        module = sys.modules[_FLUX2]
+        query, key, value = _qkv(module, attn, hidden_states, encoder_hidden_states, image_rotary_emb, joint)
+        # The rest is diffusers 0.42.1 Flux2AttnProcessor.__call__ unchanged.
+        hidden_states = module.dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+            )
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if encoder_hidden_states is not None:
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+    return make_method(original, "qk_norm_rope", __call__)
+
+
+def _swiglu_into(module: Any, attn: Any, mlp_hidden_states: torch.Tensor, attn_output: torch.Tensor
+                 ) -> Optional[torch.Tensor]:
+    """``torch.cat([attn_output, mlp_act_fn(mlp)], -1)`` without the cat's pass, or None if it does not fit."""
+    act = attn.mlp_act_fn
+    if not (pattern_on("swiglu") and plain_module(act, module.Flux2SwiGLU)
+            and plain_module(act.gate_fn, torch.nn.SiLU) and attn_output.dim() == 3
+            and attn_output.dtype == mlp_hidden_states.dtype and type(attn_output) is torch.Tensor
+            and attn_output.shape[:2] == mlp_hidden_states.shape[:2] and mlp_hidden_states.shape[-1] % 2 == 0):
+        return None
+    width = attn_output.shape[-1]
+    buf = attn_output.new_empty((*attn_output.shape[:2], width + mlp_hidden_states.shape[-1] // 2))
+    buf[..., :width].copy_(attn_output)
+    swiglu(mlp_hidden_states, out=buf[..., width:])
+    return buf
+
+
+def _flux2_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+        if torch.compiler.is_compiling() or not _common_ok(self, attn, hidden_states, image_rotary_emb):
+            return original(self, attn, hidden_states, attention_mask, image_rotary_emb)
+        module = sys.modules[_FLUX2]
+        # diffusers 0.42.1 Flux2ParallelSelfAttnProcessor.__call__, with the q/k stretch fused.
+        hidden_states = attn.to_qkv_mlp_proj(hidden_states)
+        qkv_dim = 3 * attn.inner_dim
+        mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
+        local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
+        qkv, mlp_hidden_states = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
+        query, key, value = qkv.chunk(3, dim=-1)
+        fused = _fused_qkv(attn, query, key, value, None, None, None, image_rotary_emb, False)
+        if fused is None:
+            query, key, value = _diffusers_qkv(attn, query, key, value, None, None, None, image_rotary_emb, False,
+                                               module.apply_rotary_emb)
+        else:
+            query, key, value = fused
+        hidden_states = module.dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+        joined = _swiglu_into(module, attn, mlp_hidden_states, hidden_states)
+        if joined is None:
+            mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
+            joined = torch.cat([hidden_states, mlp_hidden_states], dim=-1)
+        return attn.to_out(joined)
+
+    return make_method(original, "qk_norm_rope", __call__)
+
+
+PATCH = Patch(
+    name="qk_norm_rope",
+    summary="FLUX attention processors: q/k RMSNorm + RoPE + text/image concat in one kernel (eager)",
+    targets=(
+        Target(f"{_FLUX}:FluxAttnProcessor.__call__", make_replacement=_flux,
+               fingerprints=frozenset({"6af7ff9528985bcc"})),  # diffusers 0.42.1
+        Target(f"{_FLUX2}:Flux2AttnProcessor.__call__", make_replacement=_flux2,
+               fingerprints=frozenset({"e3f195d59c330a7b"})),  # diffusers 0.42.1
+        Target(f"{_FLUX2}:Flux2ParallelSelfAttnProcessor.__call__", make_replacement=_flux2_parallel,
+               fingerprints=frozenset({"31019376b6209552"})),  # diffusers 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)

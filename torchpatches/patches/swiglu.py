@@ -1,0 +1,64 @@
+"""swiglu: FLUX.2's SwiGLU (``silu(x[..., :F]) * x[..., F:]``) as one kernel in eager mode.
+
+What goes wrong upstream
+    ``Flux2SwiGLU.forward`` (``diffusers/models/transformers/transformer_flux2.py``) runs ``silu`` on the
+    first half and multiplies by the second half as two eager ops: three reads and two writes of
+    ``[tokens, F]`` (FLUX.2-dev: F = 18432) where one read of ``x`` and one write suffice. FLUX.2's single
+    blocks then concatenate the result with the attention output, one more full copy.
+
+What the patch changes
+    ``Flux2SwiGLU.forward`` calls ``torchpatches.ops.swiglu.swiglu`` (one Triton kernel) when ``gate_fn`` is
+    a stock, unhooked ``nn.SiLU`` and the input is a plain CUDA tensor without gradients; otherwise
+    diffusers' forward. While this patch is applied, the ``qk_norm_rope`` patch's FLUX.2 single-block
+    processor also writes the SwiGLU output straight into the ``[attention, MLP]`` buffer that
+    ``to_out`` reads, so the concat costs only the copy of the attention output.
+
+Tolerance
+    Rounds where diffusers rounds (after ``silu`` and after the product); Triton's fp32 ``exp`` may
+    differ in its last bit from torch's, so outputs match to one ulp.
+
+Versions
+    diffusers 0.42.x (fingerprint verified on 0.42.1); torch >= 2.4.
+
+When to delete
+    When diffusers ships a fused SwiGLU for eager mode.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .._declare import Patch, Target
+from ..ops.swiglu import swiglu
+from ._fused_common import device_served, grad_free, make_method, no_global_hooks, plain_module
+
+__all__ = ["PATCH"]
+
+
+def _make(original: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(self, x):
+        if torch.compiler.is_compiling() or not (
+            isinstance(x, torch.Tensor)
+            and device_served(x)
+            and x.dim() >= 2
+            and x.shape[-1] % 2 == 0
+            and plain_module(self.gate_fn, torch.nn.SiLU)
+            and no_global_hooks()
+            and grad_free((self,), x)
+        ):
+            return original(self, x)
+        return swiglu(x)
+
+    return make_method(original, "swiglu", forward)
+
+
+PATCH = Patch(
+    name="swiglu",
+    summary="FLUX.2 SwiGLU as one kernel in eager mode",
+    targets=(
+        Target("diffusers.models.transformers.transformer_flux2:Flux2SwiGLU.forward", make_replacement=_make,
+               fingerprints=frozenset({"e565d6e467a53e9b"})),  # diffusers 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)
