@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import KINDS, ROUND_TO_PY, _round_to, _sum_combine, interpreted, next_pow2
+from ._triton_common import HELPERS_PY, KINDS, _round_to, _rsqrt, _sum_combine, interpreted, next_pow2
 
 
 def _modulate_kernel(
@@ -29,7 +29,7 @@ def _modulate_kernel(
     S, D, eps,
     r_sb, r_ss, g_sb, g_ss, y_sb, y_ss, c_sb, c_ss, t_sb, t_ss, h_sb, h_ss, o_sb, o_ss,
     BLOCK_D: tl.constexpr, KIND: tl.constexpr,
-    HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr,
+    HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // S
@@ -49,7 +49,7 @@ def _modulate_kernel(
         mean = tl.reduce(x, 0, _sum_combine) / D
         xc = tl.where(m, x - mean, 0.0)
         var = tl.reduce(xc * xc, 0, _sum_combine) / D
-        rstd = 1.0 / tl.sqrt(var + eps)
+        rstd = _rsqrt(var + eps, LIBDEVICE)
         n = _round_to(xc * rstd, KIND)
         sc = tl.load(scale_ptr + b * c_sb + s * c_ss + d, mask=m, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + b * t_sb + s * t_ss + d, mask=m, other=0.0).to(tl.float32)
@@ -64,14 +64,20 @@ _modulate_kernel = triton.jit(MODULATE_KERNEL_PY)
 
 @functools.lru_cache(maxsize=None)
 def _interpreted_kernel() -> Any:
-    return interpreted(MODULATE_KERNEL_PY, {"_round_to": ROUND_TO_PY})
+    return interpreted(MODULATE_KERNEL_PY, HELPERS_PY)
 
 
 def kernel_for(device_type: str) -> Any:
     return _modulate_kernel if device_type == "cuda" else _interpreted_kernel()
 
 
+#: Benchmarks may override the launch heuristic: {"num_warps": int}.
+CONFIG_OVERRIDE: dict[str, Any] = {}
+
+
 def _num_warps(block_d: int) -> int:
+    if "num_warps" in CONFIG_OVERRIDE:
+        return int(CONFIG_OVERRIDE["num_warps"])
     # 16 bf16 elements (two 16-byte vectors) per thread for the FLUX widths (3072 -> 4096, 6144 -> 8192).
     return max(1, min(16, block_d // 512))
 
@@ -113,5 +119,6 @@ def launch(
         residual.stride(0), residual.stride(1), *_rows(gate, residual), *_rows(y, residual),
         *_rows(scale, residual), *_rows(shift, residual), h.stride(0), h.stride(1), o.stride(0), o.stride(1),
         BLOCK_D=block_d, KIND=KINDS[residual.dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
-        CLIP=bool(clip and residual.dtype == torch.float16), num_warps=_num_warps(block_d),
+        CLIP=bool(clip and residual.dtype == torch.float16), LIBDEVICE=residual.device.type == "cuda",
+        num_warps=_num_warps(block_d),
     )

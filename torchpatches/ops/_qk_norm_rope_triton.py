@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import KINDS, ROUND_TO_PY, _round_to, _sum_combine, cdiv, interpreted, next_pow2
+from ._triton_common import HELPERS_PY, KINDS, _round_to, _rsqrt, _sum_combine, cdiv, interpreted, next_pow2
 
 
 def _qk_norm_rope_kernel(
@@ -33,7 +33,7 @@ def _qk_norm_rope_kernel(
     qo_ptr, ko_ptr, vo_ptr,
     S_TXT, S_TOT, H, NHB, eps_q, eps_k, eps_qt, eps_kt,
     i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sr, s_sr,
-    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // S_TOT
@@ -77,12 +77,12 @@ def _qk_norm_rope_kernel(
             eps = eps_q
     dst = b * o_sb + s * o_ss + h[:, None] * o_sh + j[None, :]
     if which == 2:
-        x = tl.load(x_ptr + src, mask=m, other=0.0)
-        tl.store(vo_ptr + dst, x, mask=m)
+        xv = tl.load(x_ptr + src, mask=m, other=0.0)
+        tl.store(vo_ptr + dst, xv, mask=m)
     else:
         x = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + j, mask=j < D, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.reduce(x * x, 1, _sum_combine) / D + eps)
+        rstd = _rsqrt(tl.reduce(x * x, 1, _sum_combine) / D + eps, LIBDEVICE)
         n = _round_to((x * rstd[:, None]) * w[None, :], KIND)
         # Interleaved pairs (a, b) = (n[2i], n[2i+1]); rotate(n) = (-b, a); per-element cos/sin rows.
         cs = tl.load(cos_ptr + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
@@ -105,7 +105,7 @@ _qk_norm_rope_kernel = triton.jit(QK_NORM_ROPE_KERNEL_PY)
 
 @functools.lru_cache(maxsize=None)
 def _interpreted_kernel() -> Any:
-    return interpreted(QK_NORM_ROPE_KERNEL_PY, {"_round_to": ROUND_TO_PY})
+    return interpreted(QK_NORM_ROPE_KERNEL_PY, HELPERS_PY)
 
 
 def kernel_for(device_type: str) -> Any:
@@ -140,6 +140,6 @@ def launch(
         S_txt, S_tot, H, nhb, *[float(e) for e in eps],
         q.stride(0), q.stride(1), q.stride(2), txt.stride(0), txt.stride(1), txt.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), cos.stride(0), sin.stride(0),
-        D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype],
+        D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
         num_warps=2 if block_h * 2 * half >= 512 else 1,
     )

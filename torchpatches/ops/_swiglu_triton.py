@@ -17,16 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_common import KINDS, ROUND_TO_PY, _round_to, cdiv, interpreted
+from ._triton_common import HELPERS_PY, KINDS, _exp, _round_to, cdiv, interpreted
 
 
-def _swiglu_kernel(x_ptr, o_ptr, F, x_sr, o_sr, BLOCK: tl.constexpr, KIND: tl.constexpr):
+def _swiglu_kernel(x_ptr, o_ptr, F, x_sr, o_sr, BLOCK: tl.constexpr, KIND: tl.constexpr,
+                   LIBDEVICE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < F
     a = tl.load(x_ptr + row * x_sr + c, mask=m, other=0.0).to(tl.float32)
     g = tl.load(x_ptr + row * x_sr + F + c, mask=m, other=0.0).to(tl.float32)
-    act = _round_to(a / (1.0 + tl.exp(-a)), KIND)  # torch's silu: x / (1 + exp(-x))
+    act = _round_to(a / (1.0 + _exp(-a, LIBDEVICE)), KIND)  # torch's silu: x / (1 + exp(-x))
     out = _round_to(act * g, KIND)
     tl.store(o_ptr + row * o_sr + c, out.to(o_ptr.dtype.element_ty), mask=m)
 
@@ -37,7 +38,7 @@ _swiglu_kernel = triton.jit(SWIGLU_KERNEL_PY)
 
 @functools.lru_cache(maxsize=None)
 def _interpreted_kernel() -> Any:
-    return interpreted(SWIGLU_KERNEL_PY, {"_round_to": ROUND_TO_PY})
+    return interpreted(SWIGLU_KERNEL_PY, HELPERS_PY)
 
 
 def launch(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -48,6 +49,6 @@ def launch(x: torch.Tensor, out: torch.Tensor) -> None:
     block = 1024 if F >= 1024 else max(16, 1 << (F - 1).bit_length())
     kernel = _swiglu_kernel if x.device.type == "cuda" else _interpreted_kernel()
     kernel[(M, cdiv(F, block))](
-        x, out, F, x.stride(0), out.stride(0), BLOCK=block, KIND=KINDS[x.dtype],
+        x, out, F, x.stride(0), out.stride(0), BLOCK=block, KIND=KINDS[x.dtype], LIBDEVICE=x.device.type == "cuda",
         num_warps=4 if block >= 1024 else 2,
     )

@@ -20,6 +20,7 @@ from typing import Any, Dict
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 #: KIND codes of the output dtype (a constexpr of every kernel).
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -37,7 +38,27 @@ def _round_to(x, KIND: tl.constexpr):
         return x
 
 
+def _rsqrt(x, LIBDEVICE: tl.constexpr):
+    # CUDA: the rsqrtf torch's LayerNorm / RMSNorm kernels call; the interpreter has no libdevice.
+    if LIBDEVICE:
+        return libdevice.rsqrt(x)
+    else:
+        return 1.0 / tl.sqrt(x)
+
+
+def _exp(x, LIBDEVICE: tl.constexpr):
+    # CUDA: expf, as torch's silu kernel (tl.exp is the faster, less exact ex2.approx).
+    if LIBDEVICE:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
 ROUND_TO_PY = _round_to
+RSQRT_PY = _rsqrt
+EXP_PY = _exp
+#: Every helper by its global name, for ``interpreted``.
+HELPERS_PY = {"_round_to": _round_to, "_rsqrt": _rsqrt, "_exp": _exp}
 
 #: The combine function of ``tl.sum``. Kernels reduce with ``tl.reduce(x, axis, _sum_combine)``: the
 #: interpreter recognises it (a numpy sum), whereas ``tl.sum`` itself is a compiled ``@jit`` function
@@ -45,6 +66,8 @@ ROUND_TO_PY = _round_to
 _sum_combine = tl.standard._sum_combine
 # Kernels call the helper by the global name ``_round_to``: def name and global must agree.
 _round_to = triton.jit(ROUND_TO_PY)
+_rsqrt = triton.jit(RSQRT_PY)
+_exp = triton.jit(EXP_PY)
 
 
 def interpreted(kernel_py: Any, helpers: Dict[str, Any]) -> Any:

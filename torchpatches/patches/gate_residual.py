@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 
 from .._declare import Patch, Target
+from ..ops.slices import copy_into, gelu_tanh_into
 from ._fused_common import device_served, grad_free, make_method, no_global_hooks, pattern_on, plain_module
 from ._modulate_calls import modulated, residual, residual_modulated
 
@@ -149,7 +150,7 @@ def _flux_single(original: Callable[..., Any]) -> Callable[..., Any]:
         # [attention output | gelu(mlp)]: the GELU writes its half of proj_out's input directly.
         width = self.attn.inner_dim
         buf = mlp.new_empty((*mlp.shape[:-1], width + mlp.shape[-1]))
-        torch._C._nn.gelu(mlp, approximate="tanh", out=buf[..., width:])
+        gelu_tanh_into(mlp, buf[..., width:])
         del mlp
         joint_attention_kwargs = joint_attention_kwargs or {}
         attn_output = self.attn(
@@ -158,7 +159,7 @@ def _flux_single(original: Callable[..., Any]) -> Callable[..., Any]:
             **joint_attention_kwargs,
         )
         if attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype:
-            buf[..., :width].copy_(attn_output)
+            copy_into(attn_output, buf[..., :width])
         else:  # a processor returned another width or dtype: the concat diffusers would do
             buf = torch.cat([attn_output, buf[..., width:]], dim=2)
         hidden_states = residual(residual_states, gate, self.proj_out(buf), clip=True)

@@ -40,6 +40,7 @@ import torch
 
 from .._declare import Patch, Target
 from ..ops.qk_norm_rope import qk_norm_rope
+from ..ops.slices import copy_into
 from ..ops.swiglu import swiglu
 from ._fused_common import (
     device_served,
@@ -215,7 +216,7 @@ def _swiglu_into(module: Any, attn: Any, mlp_hidden_states: torch.Tensor, attn_o
         return None
     width = attn_output.shape[-1]
     buf = attn_output.new_empty((*attn_output.shape[:2], width + mlp_hidden_states.shape[-1] // 2))
-    buf[..., :width].copy_(attn_output)
+    copy_into(attn_output, buf[..., :width])
     swiglu(mlp_hidden_states, out=buf[..., width:])
     return buf
 

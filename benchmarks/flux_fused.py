@@ -1,0 +1,356 @@
+"""Whole-model FLUX.1 / FLUX.2 step time with torchpatches' eager fusion patches, in one process.
+
+Models (random bf16 weights built on the GPU, batch 1, 1024x1024 = 4096 image tokens + 512 text tokens):
+
+  flux1   FLUX.1-dev-sized FluxTransformer2DModel: 19 double + 38 single blocks, 24 heads x 128 (11.9 B)
+  flux2   Flux2Transformer2DModel with FLUX.2-dev's dims (48 heads x 128 = 6144 wide, MLP ratio 3, text
+          dim 15360, RoPE axes 4 x 32) and a quarter of its blocks: 2 double + 12 single (dev: 8 + 48),
+          the same 1:6 ratio; 7.9 B parameters instead of 32 B, so it fits and compiles within the budget
+
+Variants (each model; ``torch._dynamo.reset()`` before each):
+
+  eager/vanilla         every torchpatches patch reverted (``torchpatches.disabled()``)
+  eager/all             every patch applied (what ``import torchpatches`` gives)
+  eager/-NAME           every patch but NAME (one fused pattern off: its share of the win)
+  compile/vanilla       ``torch.compile(model, fullgraph=True)`` of stock diffusers
+  compile/all           the same with every patch applied
+  a trailing ``+``      the variant measured again later in the run (run-to-run spread)
+
+Step time: median of CUDA-event-timed steps after warm-up. ``--profile``: GPU kernel time per step by
+class (GEMM / attention / everything else) and kernel launches per step from torch.profiler. Numerical
+difference of every variant's output against eager vanilla (and compile/vanilla) as ||a - b|| / ||b||.
+Inductor caches are off (TORCHINDUCTOR_FX_GRAPH_CACHE=0, TORCHINDUCTOR_AUTOGRAD_CACHE=0), so every compile is
+a real one. Results: a table at the end and ``--json PATH`` (rewritten after every variant).
+
+    python benchmarks/flux_fused.py --models flux1 --json out.json --profile          # GPU
+    python benchmarks/flux_fused.py --tiny                                             # CPU smoke test
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable, Dict, Iterator, List, Optional  # noqa: E402
+
+import torch  # noqa: E402
+
+FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
+
+CONFIGS: Dict[str, Dict[str, Any]] = {
+    "flux1": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
+                  guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
+    "flux2": dict(patch_size=1, in_channels=128, num_layers=2, num_single_layers=12, attention_head_dim=128,
+                  num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
+                  mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True),
+}
+TINY: Dict[str, Dict[str, Any]] = {
+    "flux1": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
+                  axes_dims_rope=(4, 6, 6)),
+    "flux2": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16, mlp_ratio=3.0,
+                  axes_dims_rope=(4, 4, 4, 4)),
+}
+# Patterns that have no call site in a model are left out of its "-NAME" variants.
+APPLIES = {"flux1": ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm"),
+           "flux2": ("adaln", "qk_norm_rope", "gate_residual", "swiglu")}
+
+
+def build(name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
+
+    cls = FluxTransformer2DModel if name == "flux1" else Flux2Transformer2DModel
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            torch.manual_seed(0)
+            model = cls(**config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def inputs(name: str, config: Dict[str, Any], side: int, text: int, device: torch.device,
+           dtype: torch.dtype) -> Dict[str, Any]:
+    """As the pipelines pass them: packed latents, ids [S, 3] (FLUX.1) / [S, 4] (FLUX.2), timestep in [0, 1]."""
+    grid = side // 16
+    gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    axes = 3 if name == "flux1" else 4
+    img_ids = torch.zeros(grid, grid, axes)
+    img_ids[..., 1] = torch.arange(grid)[:, None]
+    img_ids[..., 2] = torch.arange(grid)[None, :]
+    txt_ids = torch.zeros(text, axes)
+    if name == "flux2":
+        txt_ids[:, 3] = torch.arange(text)
+    out = dict(
+        hidden_states=randn(1, grid * grid, config["in_channels"]),
+        encoder_hidden_states=randn(1, text, config["joint_attention_dim"]),
+        timestep=torch.tensor([0.5], device=device, dtype=dtype),
+        guidance=torch.tensor([3.5], device=device, dtype=torch.float32),
+        img_ids=img_ids.reshape(-1, axes).to(device),
+        txt_ids=txt_ids.to(device),
+        return_dict=False,
+    )
+    if name == "flux1":
+        out["pooled_projections"] = randn(1, config["pooled_projection_dim"])
+    return out
+
+
+def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int
+               ) -> tuple[List[float], List[float]]:
+    """(step ms from CUDA events, host ms to enqueue the step): host close to step means CPU-bound."""
+    for _ in range(warmup):
+        step()
+    times, host = [], []
+    if device.type != "cuda":
+        for _ in range(iters):
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+        return times, times
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t) * 1e3)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times, host
+
+
+_ATTENTION = re.compile(r"sdpa|flash|fmha|attention|attn", re.I)
+_GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitk|matmul|_mm_|sm90_", re.I)
+
+
+def kernel_class(name: str) -> str:
+    if _ATTENTION.search(name):
+        return "attention"
+    if _GEMM.search(name):
+        return "gemm"
+    return "other"
+
+
+def profile(step: Callable[[], Any], steps: int = 2) -> Dict[str, Any]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        if getattr(event, "device_type", None) != DeviceType.CUDA:
+            continue
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:
+            us = event.self_cuda_time_total
+        kernels.append((event.key[:140], us / steps / 1e3, event.count / steps))
+    kernels.sort(key=lambda row: -row[1])
+    by_class: Dict[str, float] = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for key, ms, _ in kernels:
+        by_class[kernel_class(key)] += ms
+    return {
+        "gpu_kernel_ms": sum(row[1] for row in kernels),
+        "ms_by_class": by_class,
+        "launches_per_step": sum(row[2] for row in kernels),
+        "top": kernels[:30],
+    }
+
+
+@contextlib.contextmanager
+def state(variant: str) -> Iterator[None]:
+    """Put torchpatches into the variant's state; restore the previous state afterwards."""
+    import torchpatches
+
+    base = variant.rstrip("+")
+    if base == "vanilla":
+        with torchpatches.disabled():
+            yield
+        return
+    torchpatches.apply()
+    if base == "all":
+        yield
+    elif base.startswith("-"):
+        with torchpatches.disabled(base[1:]):
+            yield
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def versions() -> Dict[str, str]:
+    import diffusers
+
+    info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "cuda": str(torch.version.cuda),
+            "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "absent"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any], save: Callable[[], None]) -> None:
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    config = (TINY if args.tiny else CONFIGS)[name]
+    side, text = (64, 8) if args.tiny else (1024, 512)
+    t0 = time.perf_counter()
+    model = build(name, config, device, dtype)
+    feed = inputs(name, config, side, text, device, dtype)
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    entry: Dict[str, Any] = {"config": dict(config, image_side=side, text_tokens=text, dtype=str(dtype)),
+                             "params_b": params, "build_s": time.perf_counter() - t0, "steps": {}}
+    results["models"][name] = entry
+    print(f"[{name}] built in {entry['build_s']:.1f} s, {params:.2f} B params", flush=True)
+    refs: Dict[str, torch.Tensor] = {}
+    eager = ["vanilla", "all"] + [f"-{p}" for p in APPLIES[name] if p in args.patterns] + ["vanilla+", "all+"]
+    plan = [("eager", v) for v in eager if "eager" in args.modes]
+    plan += [("compile", v) for v in ("vanilla", "all") if "compile" in args.modes]
+    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    iters = args.iters if args.iters is not None else (2 if args.tiny else 20)
+    for mode, variant in plan:
+        torch._dynamo.reset()
+        with state(variant), torch.inference_mode():
+            fn = torch.compile(model, fullgraph=True) if mode == "compile" else model
+            step = lambda: fn(**feed)  # noqa: E731
+            t1 = time.perf_counter()
+            out = step()[0]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            first_s = time.perf_counter() - t1
+            times, host = time_steps(step, device, warmup, iters)
+            prof = None
+            if args.profile and device.type == "cuda" and variant.rstrip("+") in ("vanilla", "all") \
+                    and not variant.endswith("+"):
+                prof = profile(step)
+        times_sorted = sorted(times)
+        row: Dict[str, Any] = {"median_ms": statistics.median(times), "p10_ms": times_sorted[len(times) // 10],
+                               "p90_ms": times_sorted[min(len(times) - 1, (len(times) * 9) // 10)],
+                               "host_ms": statistics.median(host),
+                               "first_call_s": first_s, "finite": bool(torch.isfinite(out).all())}
+        key = f"{mode}/{variant}"
+        if key == "eager/vanilla":
+            refs["eager"] = out.float().clone()
+        if key == "compile/vanilla":
+            refs["compile"] = out.float().clone()
+        row["rel_err_vs_eager_vanilla"] = rel_err(out.float(), refs["eager"]) if "eager" in refs else None
+        if "compile" in refs:
+            row["rel_err_vs_compile_vanilla"] = rel_err(out.float(), refs["compile"])
+        if prof is not None:
+            row["profile"] = prof
+        entry["steps"][key] = row
+        extra = ""
+        if prof is not None:
+            c = prof["ms_by_class"]
+            extra = (f" | GPU {prof['gpu_kernel_ms']:.1f} ms: gemm {c['gemm']:.1f}, attention {c['attention']:.1f}, "
+                     f"other {c['other']:.1f}; {prof['launches_per_step']:.0f} launches")
+        print(f"[{name}] {key}: {row['median_ms']:.2f} ms (host {row['host_ms']:.1f} ms, first call {first_s:.1f} s)"
+              f"{extra}", flush=True)
+        save()
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def ratios(entry: Dict[str, Any]) -> Dict[str, Dict[str, float]]:
+    steps = entry["steps"]
+    out: Dict[str, Dict[str, float]] = {}
+    for key, row in steps.items():
+        r = {}
+        for base in ("eager/vanilla", "compile/vanilla"):
+            if base in steps:
+                r["vs_" + base.replace("/", "_")] = row["median_ms"] / steps[base]["median_ms"]
+        out[key] = r
+    return out
+
+
+def print_table(results: Dict[str, Any]) -> None:
+    for name, entry in results["models"].items():
+        entry["ratios"] = ratios(entry)
+        print(f"\n{name}: {entry['params_b']:.2f} B params")
+        print(f"{'variant':<22} {'median ms':>10} {'p10':>8} {'p90':>8} {'/eager van':>10} {'/compile van':>12} "
+              f"{'rel err':>9} {'host ms':>8} {'first s':>8}")
+        for key, row in entry["steps"].items():
+            r = entry["ratios"][key]
+            print(f"{key:<22} {row['median_ms']:>10.2f} {row['p10_ms']:>8.2f} {row['p90_ms']:>8.2f} "
+                  f"{r.get('vs_eager_vanilla', float('nan')):>9.3f}x {r.get('vs_compile_vanilla', float('nan')):>11.3f}x "
+                  f"{row['rel_err_vs_eager_vanilla'] or 0.0:>9.2e} {row['host_ms']:>8.1f} {row['first_call_s']:>8.1f}")
+        for key, row in entry["steps"].items():
+            if "profile" in row:
+                c = row["profile"]["ms_by_class"]
+                print(f"  profile {key:<18} GPU {row['profile']['gpu_kernel_ms']:7.2f} ms = gemm {c['gemm']:6.2f} + "
+                      f"attention {c['attention']:6.2f} + other {c['other']:6.2f}; "
+                      f"{row['profile']['launches_per_step']:.0f} launches/step")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU (smoke test, PyTorch tiers)")
+    parser.add_argument("--models", default="flux1,flux2")
+    parser.add_argument("--modes", default="eager,compile")
+    parser.add_argument("--patterns", default=",".join(FUSED), help="fused patterns to switch off one at a time")
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.patterns = [p for p in args.patterns.split(",") if p]
+
+    import torchpatches
+
+    results: Dict[str, Any] = {"versions": versions(), "models": {},
+                               "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(results, handle, indent=2)
+
+    forced = contextlib.nullcontext()
+    if args.tiny:  # CPU: let the patches run their fused path through the PyTorch tier
+        from torchpatches.ops._fused_tiers import force_tier
+
+        forced = force_tier("torch")
+    with forced:
+        for name in [m for m in args.models.split(",") if m]:
+            run_model(name, args, results, save)
+    print_table(results)
+    save()
+    print(json.dumps(results["versions"]))
+    print(torchpatches.status())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Triton row kernel: ``out[m, :] = act(x[m, :])`` for 2-D views with unit-stride columns and any row strides.
+
+Used to write into a column slice of a larger buffer (the input of FLUX's single-block output
+projection) without the concat's extra pass, where torch's own elementwise kernels fall back to their
+slow strided path (measured on an H100: 46% of the copy rate for GELU into a slice, 177 us where
+76 us is the floor). ACT 0 copies, ACT 1 is torch's tanh GELU in fp32, rounded once:
+
+    0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))
+
+in torch's operation order with CUDA's ``tanhf`` (libdevice), so on the GPU it computes what torch
+computes; the CPU interpreter has no libdevice and uses ``1 - 2 / (exp(2z) + 1)`` (absolute error
+~1e-7, which the output sees through ``1 + tanh``).
+
+This module imports triton: import it only when the Triton tier is used.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._triton_common import HELPERS_PY, KINDS, _round_to, cdiv, interpreted
+
+
+def _rows_kernel(x_ptr, o_ptr, N, x_sr, o_sr, BLOCK: tl.constexpr, ACT: tl.constexpr, KIND: tl.constexpr,
+                 LIBDEVICE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = c < N
+    x = tl.load(x_ptr + row * x_sr + c, mask=m, other=0.0)
+    if ACT == 1:
+        xf = x.to(tl.float32)
+        inner = 0.7978845608028654 * (xf + 0.044715 * (xf * xf * xf))
+        if LIBDEVICE:  # CUDA: the same tanhf torch's GELU kernel calls
+            t = libdevice.tanh(inner)
+        else:  # the interpreter has no libdevice
+            t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        y = _round_to(0.5 * xf * (1.0 + t), KIND)
+        tl.store(o_ptr + row * o_sr + c, y.to(o_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(o_ptr + row * o_sr + c, x, mask=m)
+
+
+ROWS_KERNEL_PY = _rows_kernel
+_rows_kernel = triton.jit(ROWS_KERNEL_PY)
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreted_kernel() -> Any:
+    return interpreted(ROWS_KERNEL_PY, HELPERS_PY)
+
+
+def launch(x: torch.Tensor, out: torch.Tensor, act: int) -> None:
+    """``x``, ``out``: 2-D ``[M, N]`` with unit-stride columns; ``act`` 0 (copy) or 1 (tanh GELU)."""
+    M, N = out.shape
+    if M * N == 0:
+        return
+    block = 2048 if N >= 2048 else max(16, 1 << (N - 1).bit_length())
+    kernel = _rows_kernel if x.device.type == "cuda" else _interpreted_kernel()
+    kernel[(M, cdiv(N, block))](
+        x, out, N, x.stride(0), out.stride(0), BLOCK=block, ACT=act, KIND=KINDS[out.dtype],
+        LIBDEVICE=x.device.type == "cuda",
+        num_warps=4 if block >= 1024 else 2,
+    )
