@@ -288,15 +288,15 @@ def sweep(device: torch.device, gbps: float) -> List[Dict[str, Any]]:
         x, y = rnd(1, S, D, device=device), rnd(1, S, D, device=device)
         v = rnd(1, 3 * D, device=device, scale=0.5)
         sc, sh, g = v[:, :D], v[:, D:2 * D], v[:, 2 * D:]
-        for warps in (4, 8, 16, 32):
-            _modulate_triton.CONFIG_OVERRIDE["num_warps"] = warps
+        for rows_per_prog, warps in ((1, 2), (1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16)):
+            _modulate_triton.CONFIG_OVERRIDE.update(num_warps=warps, ROWS=rows_per_prog)
             try:
                 lm = graph_us(lambda: modulate.layer_norm_modulate(x, sc, sh), device)
                 rm = graph_us(lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, sc, sh), device)
                 gr = graph_us(lambda: modulate.gate_residual(x, g, y), device)
             finally:
                 _modulate_triton.CONFIG_OVERRIDE.clear()
-            row = dict(D=D, num_warps=warps, ln_mod_us=lm, ln_mod_pct=100 * 2 * S * D * 2 / (gbps * 1e3) / lm,
+            row = dict(D=D, rows=rows_per_prog, num_warps=warps, ln_mod_us=lm, ln_mod_pct=100 * 2 * S * D * 2 / (gbps * 1e3) / lm,
                        res_ln_mod_us=rm, res_ln_mod_pct=100 * 4 * S * D * 2 / (gbps * 1e3) / rm,
                        res_us=gr, res_pct=100 * 3 * S * D * 2 / (gbps * 1e3) / gr)
             rows.append(row)
@@ -334,6 +334,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
     args = parser.parse_args(argv)
     import torchpatches
 
@@ -343,7 +344,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     gbps = copy_rate(device)
     results["copy_GBps"] = gbps
     rows = []
-    for model, shape in (TINY if args.tiny else SHAPES).items():
+    for model, shape in ({} if args.sweep_only else TINY if args.tiny else SHAPES).items():
         torch.manual_seed(0)
         with torchpatches.disabled():  # the references are diffusers as shipped (no rope/swiglu patch)
             built = cases(shape, device)
@@ -381,7 +382,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if "gelu_form" in r:
             print(f"       gelu form: {r['gelu_form']}")
     for r in results.get("sweep", []):
-        print(f"sweep D={r['D']} warps={r['num_warps']:>2}: ln_mod {r['ln_mod_us']:6.1f} us ({r['ln_mod_pct']:4.1f}%), "
+        print(f"sweep D={r['D']} rows={r.get('rows', 1)} warps={r['num_warps']:>2}: ln_mod {r['ln_mod_us']:6.1f} us ({r['ln_mod_pct']:4.1f}%), "
               f"res+ln_mod {r['res_ln_mod_us']:6.1f} us ({r['res_ln_mod_pct']:4.1f}%), "
               f"res {r['res_us']:6.1f} us ({r['res_pct']:4.1f}%)")
     bad = [r for r in rows if "error" in r or any(c["nan"] > c["ref_nan"] for c in r["checks"])]
