@@ -238,6 +238,7 @@ def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any], save
     plan += [("compile", v) for v in ("vanilla", "all") if "compile" in args.modes]
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     iters = args.iters if args.iters is not None else (2 if args.tiny else 20)
+    profiles: Dict[str, Any] = {}
     for mode, variant in plan:
         torch._dynamo.reset()
         with state(variant), torch.inference_mode():
@@ -249,37 +250,44 @@ def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any], save
                 torch.cuda.synchronize()
             first_s = time.perf_counter() - t1
             times, host = time_steps(step, device, warmup, iters)
-            prof = None
-            if args.profile and device.type == "cuda" and variant.rstrip("+") in ("vanilla", "all") \
-                    and not variant.endswith("+"):
-                prof = profile(step)
-        times_sorted = sorted(times)
-        row: Dict[str, Any] = {"median_ms": statistics.median(times), "p10_ms": times_sorted[len(times) // 10],
-                               "p90_ms": times_sorted[min(len(times) - 1, (len(times) * 9) // 10)],
-                               "host_ms": statistics.median(host),
-                               "first_call_s": first_s, "finite": bool(torch.isfinite(out).all())}
-        key = f"{mode}/{variant}"
-        if key == "eager/vanilla":
-            refs["eager"] = out.float().clone()
-        if key == "compile/vanilla":
-            refs["compile"] = out.float().clone()
-        row["rel_err_vs_eager_vanilla"] = rel_err(out.float(), refs["eager"]) if "eager" in refs else None
-        if "compile" in refs:
-            row["rel_err_vs_compile_vanilla"] = rel_err(out.float(), refs["compile"])
-        if prof is not None:
-            row["profile"] = prof
-        entry["steps"][key] = row
-        extra = ""
-        if prof is not None:
-            c = prof["ms_by_class"]
-            extra = (f" | GPU {prof['gpu_kernel_ms']:.1f} ms: gemm {c['gemm']:.1f}, attention {c['attention']:.1f}, "
-                     f"other {c['other']:.1f}; {prof['launches_per_step']:.0f} launches")
-        print(f"[{name}] {key}: {row['median_ms']:.2f} ms (host {row['host_ms']:.1f} ms, first call {first_s:.1f} s)"
-              f"{extra}", flush=True)
+            if args.profile and device.type == "cuda" and mode == "compile":
+                profiles[f"{mode}/{variant}"] = profile(step)  # compiled code exists only now
+        record(name, entry, refs, mode, variant, times, host, first_s, out)
         save()
+    if args.profile and device.type == "cuda" and "eager" in args.modes:
+        # Eager profiles after every timing, so the profiler cannot disturb the timed steps.
+        for variant in ("vanilla", "all"):
+            with state(variant), torch.inference_mode():
+                profiles[f"eager/{variant}"] = profile(lambda: model(**feed))
+    for key, prof in profiles.items():
+        entry["steps"][key]["profile"] = prof
+        c = prof["ms_by_class"]
+        print(f"[{name}] profile {key}: GPU {prof['gpu_kernel_ms']:.1f} ms: gemm {c['gemm']:.1f}, attention "
+              f"{c['attention']:.1f}, other {c['other']:.1f}; {prof['launches_per_step']:.0f} launches", flush=True)
+    save()
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def record(name: str, entry: Dict[str, Any], refs: Dict[str, torch.Tensor], mode: str, variant: str,
+           times: List[float], host: List[float], first_s: float, out: torch.Tensor) -> None:
+    times_sorted = sorted(times)
+    row: Dict[str, Any] = {"median_ms": statistics.median(times), "p10_ms": times_sorted[len(times) // 10],
+                           "p90_ms": times_sorted[min(len(times) - 1, (len(times) * 9) // 10)],
+                           "host_ms": statistics.median(host), "times_ms": times,
+                           "first_call_s": first_s, "finite": bool(torch.isfinite(out).all())}
+    key = f"{mode}/{variant}"
+    if key == "eager/vanilla":
+        refs["eager"] = out.float().clone()
+    if key == "compile/vanilla":
+        refs["compile"] = out.float().clone()
+    row["rel_err_vs_eager_vanilla"] = rel_err(out.float(), refs["eager"]) if "eager" in refs else None
+    if "compile" in refs:
+        row["rel_err_vs_compile_vanilla"] = rel_err(out.float(), refs["compile"])
+    entry["steps"][key] = row
+    print(f"[{name}] {key}: {row['median_ms']:.2f} ms (host {row['host_ms']:.1f} ms, first call {first_s:.1f} s)",
+          flush=True)
 
 
 def ratios(entry: Dict[str, Any]) -> Dict[str, Dict[str, float]]:

@@ -335,6 +335,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--sweep-only", action="store_true", help="only the launch-configuration sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     args = parser.parse_args(argv)
     import torchpatches
 
@@ -357,7 +358,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items()}), flush=True)
     results["rows"] = rows
-    if not args.tiny:
+    if not args.tiny and not args.no_sweep:
         try:
             results["sweep"] = sweep(device, gbps)
         except Exception as error:  # noqa: BLE001

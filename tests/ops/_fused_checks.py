@@ -1,0 +1,43 @@
+"""Comparison helpers for the fused-op tests (not a test module).
+
+Differences are measured in ulps of the output dtype at a *scale*: the magnitude of the last rounded
+intermediate (e.g. ``|n * (1 + scale)|`` before ``+ shift``, or ``|(a, b)|`` of a rotated pair). A
+one-ulp difference in that intermediate that cancels to a tiny output then reads as one ulp.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+#: Unit roundoff per dtype (half an ulp at 1.0).
+UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def ulps(out: torch.Tensor, ref: torch.Tensor, scale: Optional[torch.Tensor] = None) -> float:
+    """Largest |out - ref| in ulps of out's dtype at max(|out|, |ref|, |scale|); 0 for empty tensors."""
+    if out.numel() == 0:
+        return 0.0
+    a, b = out.double(), ref.double()
+    mag = torch.maximum(a.abs(), b.abs())
+    if scale is not None:
+        mag = torch.maximum(mag, scale.double().abs())
+    mag = mag.clamp_min(torch.finfo(out.dtype).tiny)
+    ulp = torch.exp2(torch.floor(torch.log2(mag)) - MANTISSA[out.dtype])
+    both_nan = torch.isnan(a) & torch.isnan(b)
+    diff = torch.where(both_nan, torch.zeros_like(a), (a - b).abs())
+    return float((diff / ulp).max())
+
+
+def pair_norm(t: torch.Tensor) -> torch.Tensor:
+    """|(a, b)| of each interleaved pair, for both elements (a rotation keeps it)."""
+    p = t.double().reshape(*t.shape[:-1], -1, 2)
+    return p.norm(dim=-1, keepdim=True).expand_as(p).reshape(t.shape)
+
+
+def strided(t: torch.Tensor, pad: int = 3) -> torch.Tensor:
+    """The same values as ``t`` in a view whose rows are padded (last dim stays unit-stride)."""
+    big = torch.full((*t.shape[:-1], t.shape[-1] + pad), float("nan"), dtype=t.dtype)
+    big[..., : t.shape[-1]] = t
+    return big[..., : t.shape[-1]]
