@@ -1,0 +1,161 @@
+"""torchpatches.ops.qk_norm_rope: per-head RMSNorm + interleaved RoPE (+ text/image concat) in one op.
+
+The PyTorch tier runs torch.nn.RMSNorm's function, torch.cat and diffusers' apply_rotary_emb math, and
+must equal diffusers' own modules bit for bit. The Triton tier (Triton's interpreter on the CPU, tiny
+shapes, hypothesis-drawn layouts: plain tensors and chunks of a fused projection) must match it to one
+ulp at the magnitude of each rotated pair (fp32 reductions in another order), and float64 math within
+a few unit roundoffs (two roundings: after the norm and after the rotation).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from _fused_checks import UNIT, pair_norm, ulps
+from torchpatches.ops.qk_norm_rope import qk_norm_rope
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), max_examples=20)
+
+
+@st.composite
+def cases(draw: Any) -> Dict[str, Any]:
+    B = draw(st.integers(1, 2))
+    S = draw(st.integers(1, 4))
+    St = draw(st.sampled_from([0, 0, 1, 3]))
+    H = draw(st.integers(1, 3))
+    D = draw(st.sampled_from([2, 6, 8, 16]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    fused_layout = draw(st.booleans())  # q, k, v as chunks of one projection row (FLUX.2 single block)
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+
+    def qkv(s: int):
+        if fused_layout:
+            proj = (torch.randn(B, s, 3 * H * D + 5, generator=g) * 3).to(dtype)
+            return [t.unflatten(-1, (H, D)) for t in proj[..., : 3 * H * D].chunk(3, dim=-1)]
+        return [(torch.randn(B, s, H, D, generator=g) * 3).to(dtype) for _ in range(3)]
+
+    ang = torch.rand(S + St, D // 2, generator=g, dtype=torch.float64) * 50
+    return dict(img=qkv(S), txt=qkv(St) if St else None, dtype=dtype,
+                weights=[(torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(4)],
+                cos=ang.cos().repeat_interleave(2, -1).float(), sin=ang.sin().repeat_interleave(2, -1).float())
+
+
+def call(case: Dict[str, Any], tier: str):
+    (q, k, v), w = case["img"], case["weights"]
+    extra: Dict[str, Any] = {}
+    if case["txt"] is not None:
+        qt, kt, vt = case["txt"]
+        extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3],
+                     eps_q_txt=1e-6, eps_k_txt=1e-5)
+    return qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
+                        tier=tier, **extra)
+
+
+def reference64(case: Dict[str, Any]):
+    def rms(x, w, eps):
+        x = x.double()
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
+
+    def rot(x):
+        a, b = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+        r = torch.stack([-b, a], dim=-1).flatten(-2)
+        return x * case["cos"].double()[None, :, None] + r * case["sin"].double()[None, :, None]
+
+    (q, k, v), w = case["img"], case["weights"]
+    q, k = rms(q, w[0], 1e-6), rms(k, w[1], 1e-5)
+    if case["txt"] is not None:
+        qt, kt, vt = case["txt"]
+        q = torch.cat([rms(qt, w[2], 1e-6), q], 1)
+        k = torch.cat([rms(kt, w[3], 1e-5), k], 1)
+        v = torch.cat([vt, v], 1)
+    return rot(q), rot(k), v
+
+
+@needs_triton
+@settings(**HYP)
+@given(cases())
+def test_triton_tier_matches_torch_tier_and_float64(case: Dict[str, Any]) -> None:
+    got = call(case, "triton")
+    ref = call(case, "torch")
+    exact = reference64(case)
+    limit = 8.0 if case["dtype"] == torch.float32 else 1.0
+    for g, r, e in zip(got[:2], ref[:2], exact[:2]):
+        assert g.shape == r.shape and g.is_contiguous()
+        assert ulps(g, r, pair_norm(r)) <= limit
+        scale = pair_norm(e) + 1e-30
+        err = ((g.double() - e).abs() / scale).max()
+        assert float(err) <= 4 * UNIT[case["dtype"]] + 1e-5
+    if case["txt"] is not None:
+        assert torch.equal(got[2], ref[2]) and torch.equal(got[2], exact[2].to(got[2].dtype))  # the v concat
+    else:
+        assert got[2] is None and ref[2] is None  # no v given, nothing to concat
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_tier_equals_diffusers_modules(dtype: torch.dtype) -> None:
+    """RMSNorm modules + torch.cat + diffusers' apply_rotary_emb (the rope patch off), bit for bit."""
+    import torchpatches
+    from diffusers.models import embeddings
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v, qt, kt, vt = ((torch.randn(1, n, 2, 8, generator=g) * 2).to(dtype) for n in (5, 5, 5, 3, 3, 3))
+    norms = [torch.nn.RMSNorm(8, eps=1e-6).to(dtype) for _ in range(4)]
+    for n in norms:
+        n.weight.data = (torch.rand(8, generator=g) + 0.5).to(dtype)
+    ang = torch.rand(8, 4, generator=g) * 10
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    with torchpatches.disabled("rope"):
+        rq = embeddings.apply_rotary_emb(torch.cat([norms[2](qt), norms[0](q)], 1), (cos, sin), sequence_dim=1)
+        rk = embeddings.apply_rotary_emb(torch.cat([norms[3](kt), norms[1](k)], 1), (cos, sin), sequence_dim=1)
+    oq, ok, ov = qk_norm_rope(q, k, cos, sin, q_weight=norms[0].weight, k_weight=norms[1].weight, eps_q=1e-6,
+                              eps_k=1e-6, v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=norms[2].weight,
+                              k_txt_weight=norms[3].weight, eps_q_txt=1e-6, eps_k_txt=1e-6, tier="torch")
+    assert torch.equal(oq, rq) and torch.equal(ok, rk) and torch.equal(ov, torch.cat([vt, v], 1))
+
+
+def test_bad_input_raises_before_computing() -> None:
+    q = torch.randn(1, 4, 2, 8)
+    cos = sin = torch.randn(4, 8)
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match="fp32"):
+        qk_norm_rope(q, q.clone(), cos.double(), sin, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6)
+    with pytest.raises(ValueError, match=r"\[S_txt \+ S, D\]"):
+        qk_norm_rope(q, q.clone(), cos[:3], sin[:3], q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6)
+    with pytest.raises(ValueError, match="q_weight"):
+        qk_norm_rope(q, q.clone(), cos, sin, q_weight=w.half(), k_weight=w, eps_q=1e-6, eps_k=1e-6)
+    with pytest.raises(ValueError, match="joint attention needs"):
+        qk_norm_rope(q, q.clone(), cos, sin, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, q_txt=q)
+    with pytest.raises(ValueError, match="even"):
+        odd = torch.randn(1, 4, 2, 7)
+        qk_norm_rope(odd, odd.clone(), cos[:, :7], sin[:, :7], q_weight=w[:7], k_weight=w[:7], eps_q=1e-6,
+                     eps_k=1e-6)
+
+
+def test_compiles_fullgraph_as_a_custom_op() -> None:
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    ang = torch.rand(4, 4)
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    w = torch.rand(8) + 0.5
+
+    def fn(q, k):
+        return qk_norm_rope(q, k, cos, sin, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, tier="torch")[:2]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for got, ref in zip(compiled(q, k), fn(q, k)):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    torch._dynamo.reset()
+    assert F.rms_norm  # the torch tier relies on F.rms_norm (torch >= 2.4)

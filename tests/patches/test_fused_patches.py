@@ -1,0 +1,402 @@
+"""The eager fusion patches: adaln, qk_norm_rope, gate_residual, gelu_gemm, swiglu.
+
+On tiny FLUX.1 / FLUX.2 transformers (CPU): the fused path (a forced tier stands in for the GPU)
+computes what diffusers computes; without a forced tier the CPU runs diffusers' own code; LoRA layers,
+forward hooks (torch's, diffusers' hook registry, accelerate's), gradients and torch.compile get
+diffusers' code; the registry's promises hold per pattern (fingerprints, revert by identity,
+``disabled()``, ``TORCHPATCHES_DISABLE``). Op call counters show which path ran.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from typing import Any, Callable, Dict, Iterator, Tuple
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+import torchpatches  # noqa: E402
+from diffusers.models import activations, normalization  # noqa: E402,F401  (the patch targets load)
+from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
+from torchpatches import _gates  # noqa: E402
+from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu  # noqa: E402
+from torchpatches.ops._fused_tiers import force_tier  # noqa: E402
+from torchpatches.patches import gate_residual  # noqa: E402
+
+FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
+VERIFIED = "0.42.1"
+
+
+def _patch(name: str):
+    import importlib
+
+    return importlib.import_module(f"torchpatches.patches.{name}").PATCH
+
+
+@pytest.fixture(autouse=True)
+def fused_on() -> Iterator[None]:
+    """Every fused pattern applied for the test; the previous state restored after it."""
+    were = {name: torchpatches.status()[name].state.value for name in FUSED}
+    torchpatches.apply(list(FUSED))
+    try:
+        yield
+    finally:
+        torchpatches.revert([n for n, s in were.items() if s != "applied"])
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
+    """How often each fused op body ran."""
+    counts: Dict[str, int] = collections.Counter()
+    for module in (modulate, qk_norm_rope, swiglu, slices):
+        real = module._impl
+
+        def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = module.__name__, **kwargs: Any):
+            counts[_name.rsplit(".", 1)[1]] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "_impl", counting)
+    return counts
+
+
+def tiny_flux1(dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ).to(dtype).eval()
+    S, T = 16, 4
+    ids = torch.zeros(S, 3)
+    ids[:, 1], ids[:, 2] = torch.arange(S) // 4, torch.arange(S) % 4
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, S, 16, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(1, T, 32, generator=g).to(dtype),
+        pooled_projections=torch.randn(1, 16, generator=g).to(dtype),
+        timestep=torch.tensor([0.5]).to(dtype), guidance=torch.tensor([3.5]), img_ids=ids, txt_ids=torch.zeros(T, 3),
+    )
+    return model, inputs
+
+
+def tiny_flux2(dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16, mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4),
+    ).to(dtype).eval()
+    S, T = 16, 4
+    ids = torch.zeros(S, 4)
+    ids[:, 1], ids[:, 2] = torch.arange(S) // 4, torch.arange(S) % 4
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(
+        hidden_states=torch.randn(1, S, 16, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(1, T, 32, generator=g).to(dtype),
+        timestep=torch.tensor([0.5]).to(dtype), guidance=torch.tensor([3.5]), img_ids=ids, txt_ids=torch.zeros(T, 4),
+    )
+    return model, inputs
+
+
+MODELS = {"flux1": tiny_flux1, "flux2": tiny_flux2}
+#: Fused op calls per forward of the tiny models (1 double + 2 single blocks) with every pattern on.
+EXPECTED = {
+    # modulate: double 2 adaLN + 2 residual+LN + 2 residual, single 2 x (adaLN + residual), norm_out
+    "flux1": {"modulate": 11, "qk_norm_rope": 3, "slices": 4},
+    "flux2": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 4, "slices": 2},
+}
+
+
+def run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+def vanilla(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    with torchpatches.disabled(*FUSED):
+        return run(model, inputs)
+
+
+# ---- declarations and registry promises -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_applied_with_verified_fingerprints_and_revert_by_identity(name: str) -> None:
+    import importlib
+
+    patch = _patch(name)
+    assert torchpatches.status()[name].state.value == "applied", str(torchpatches.status()[name])
+    for target in patch.targets:
+        module_name, qualname = target.path.split(":")
+        cls_name, attr = qualname.split(".")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        replacement = vars(cls)[attr]
+        original = replacement.__torchpatches_original__
+        assert replacement.__torchpatches_pattern__ == name
+        if diffusers.__version__ == VERIFIED:
+            assert _gates.fingerprint(original) in target.fingerprints
+        with torchpatches.disabled(name):
+            assert vars(cls)[attr] is original
+        assert vars(cls)[attr] is replacement  # re-applied: the same replacement object
+        torchpatches.revert(name)
+        assert vars(cls)[attr] is original
+        torchpatches.apply(name)
+        assert vars(cls)[attr] is replacement
+
+
+def test_env_disables_single_patterns() -> None:
+    code = textwrap.dedent(
+        """
+        import torchpatches
+        from diffusers.models import normalization
+        from diffusers.models.transformers import transformer_flux2
+        s = torchpatches.status()
+        assert s["adaln"].state.value == "disabled", s["adaln"]
+        assert s["swiglu"].state.value == "disabled", s["swiglu"]
+        for name in ("qk_norm_rope", "gate_residual", "gelu_gemm"):
+            assert s[name].state.value == "applied", s[name]
+        assert not hasattr(normalization.AdaLayerNormZero.forward, "__torchpatches_pattern__")
+        assert not hasattr(transformer_flux2.Flux2SwiGLU.forward, "__torchpatches_pattern__")
+        assert transformer_flux2.Flux2TransformerBlock.forward.__torchpatches_pattern__ == "gate_residual"
+        """
+    )
+    env = dict(os.environ, TORCHPATCHES_DISABLE="adaln, swiglu", PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_patch_modules_import_nothing_heavy() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        import torchpatches.patches.adaln, torchpatches.patches.qk_norm_rope, torchpatches.patches.gate_residual
+        import torchpatches.patches.gelu_gemm, torchpatches.patches.swiglu
+        heavy = [m for m in ("diffusers", "triton", "torch._dynamo", "torch._inductor") if m in sys.modules]
+        assert not heavy, heavy
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# ---- the fused path computes what diffusers computes ------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_fused_path_equals_diffusers(which: str, dtype: torch.dtype, calls: Dict[str, int]) -> None:
+    """PyTorch tier forced: the fused paths' rearranged code (views instead of concats, one call
+    instead of several) must give diffusers' values bit for bit."""
+    model, inputs = MODELS[which](dtype)
+    ref = vanilla(model, inputs)
+    assert not calls, "the vanilla run must not reach the fused ops"
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert dict(calls) == EXPECTED[which]
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_triton_kernels_in_the_model(which: str, calls: Dict[str, int]) -> None:
+    """The Triton kernels (interpreter) inside the model, bf16: one-ulp differences at most, carried
+    through two blocks of bf16 GEMMs."""
+    pytest.importorskip("triton")
+    model, inputs = MODELS[which](torch.bfloat16)
+    ref = vanilla(model, inputs)
+    with force_tier("triton"):
+        out = run(model, inputs)
+    assert dict(calls) == EXPECTED[which]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_cpu_without_a_forced_tier_runs_diffusers(which: str, calls: Dict[str, int]) -> None:
+    model, inputs = MODELS[which]()
+    assert torch.equal(run(model, inputs), vanilla(model, inputs))
+    assert not calls
+
+
+@pytest.mark.parametrize("off", FUSED)
+def test_each_pattern_off_alone_still_equal(off: str, calls: Dict[str, int]) -> None:
+    for which in sorted(MODELS):
+        model, inputs = MODELS[which]()
+        ref = vanilla(model, inputs)
+        with force_tier("torch"), torchpatches.disabled(off):
+            out = run(model, inputs)
+        assert torch.equal(out, ref), (which, off)
+    if off == "adaln":
+        # gate_residual still fuses gate + residual, but no LayerNorm: FLUX.1's and FLUX.2's inline
+        # LN + modulate run as torch ops, so only residual-only calls remain (2 + 2 + 2 per model).
+        assert calls["modulate"] == 12
+
+
+def test_gate_residual_off_leaves_adaln_modules_only(calls: Dict[str, int]) -> None:
+    model, inputs = tiny_flux1()
+    with force_tier("torch"), torchpatches.disabled("gate_residual"):
+        run(model, inputs)
+    # AdaLayerNormZero x2, AdaLayerNormZeroSingle x2, AdaLayerNormContinuous x1; no residual kernels
+    assert calls["modulate"] == 5 and calls["slices"] == 0
+
+
+# ---- never in the way ------------------------------------------------------------------------
+
+
+def test_forward_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    seen = collections.Counter()
+    block, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
+    hooks = [
+        block.norm2.register_forward_hook(lambda m, a, o: seen.update(["norm2"])),
+        block.attn.norm_q.register_forward_hook(lambda m, a, o: seen.update(["norm_q"])),
+        single.act_mlp.register_forward_pre_hook(lambda m, a: seen.update(["act_mlp"])),
+        single.norm.norm.register_forward_hook(lambda m, a, o: seen.update(["single_norm"])),
+    ]
+    try:
+        with force_tier("torch"):
+            out = run(model, inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(out, ref)
+    assert seen == {"norm2": 1, "norm_q": 1, "act_mlp": 1, "single_norm": 1}
+    # The hooked block / processor / norm fell back; the other single block and the norm_out did not.
+    assert calls["qk_norm_rope"] == 2 and calls["slices"] == 2
+
+
+def test_global_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
+    model, inputs = tiny_flux2()
+    ref = vanilla(model, inputs)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: seen.append(type(m).__name__))
+    try:
+        with force_tier("torch"):
+            out = run(model, inputs)
+    finally:
+        handle.remove()
+    assert torch.equal(out, ref) and not calls and "RMSNorm" in seen
+
+
+def test_diffusers_hook_registry_gets_diffusers_code(calls: Dict[str, int]) -> None:
+    """diffusers' own hooks (group offloading, layerwise casting, caches) replace the instance's forward."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model, inputs = tiny_flux2()
+    ref = vanilla(model, inputs)
+    seen = []
+
+    class Spy(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            seen.append(type(module).__name__)
+            return args, kwargs
+
+    block = model.transformer_blocks[0]
+    HookRegistry.check_if_exists_or_initialize(block.norm2).register_hook(Spy(), "spy")
+    HookRegistry.check_if_exists_or_initialize(block.ff.act_fn).register_hook(Spy(), "spy")
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    assert seen == ["LayerNorm", "Flux2SwiGLU"]
+    # A hook on the module whose forward *is* the replacement runs around it (diffusers' registry wraps
+    # the bound forward), so that SwiGLU stays fused: all 4 calls. The hooked norm2 fell back.
+    assert calls["swiglu"] == 4
+
+
+def test_accelerate_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    block = model.transformer_blocks[0]
+    accelerate_hooks.add_hook_to_module(block.norm2, accelerate_hooks.ModelHook())
+    accelerate_hooks.add_hook_to_module(block.attn.norm_added_k, accelerate_hooks.ModelHook())
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    assert calls["qk_norm_rope"] == 2  # the double block's processor fell back
+
+
+def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
+    """A LoRA-loaded model (peft): outputs identical to diffusers', and the LoRA really acts."""
+    peft = pytest.importorskip("peft")
+    model, inputs = tiny_flux1()
+    base = vanilla(model, inputs)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=4, init_lora_weights=False,
+        target_modules=["to_q", "to_k", "to_v", "add_q_proj", "to_out.0", "proj_mlp", "proj_out", "ff.net.0.proj",
+                        "ff.net.2", "norm1.linear", "norm.linear"],
+    )
+    model.add_adapter(config)
+    ref = vanilla(model, inputs)
+    assert not torch.equal(ref, base), "the adapter must change the output"
+    with force_tier("torch"):
+        out = run(model, inputs)
+        scaled = model(**inputs, joint_attention_kwargs={"scale": 0.5}, return_dict=False)[0].detach()
+    assert torch.equal(out, ref)
+    with torchpatches.disabled(*FUSED):
+        scaled_ref = model(**inputs, joint_attention_kwargs={"scale": 0.5}, return_dict=False)[0].detach()
+    assert torch.equal(scaled, scaled_ref)
+    assert calls["qk_norm_rope"] > 0  # projections are called as modules, so the fused stretch still runs
+
+
+def test_gradients_get_diffusers_code(calls: Dict[str, int]) -> None:
+    model, inputs = tiny_flux2()
+    model.requires_grad_(True)
+    with torchpatches.disabled(*FUSED):
+        ref = model(**inputs, return_dict=False)[0]
+    with force_tier("torch"):
+        out = model(**inputs, return_dict=False)[0]
+    assert torch.equal(out, ref) and not calls
+    out.sum().backward()
+    assert model.x_embedder.weight.grad is not None
+
+
+def test_joined_is_a_view_only_for_adjacent_slices() -> None:
+    whole = torch.randn(2, 7, 4)
+    first, second = whole[:, :3], whole[:, 3:]
+    view = gate_residual.joined(first, second)
+    assert torch.equal(view, whole) and view.data_ptr() == whole.data_ptr()
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 4)
+    assert torch.equal(gate_residual.joined(a, b), torch.cat([a, b], dim=1))
+    swapped = gate_residual.joined(second, first)
+    assert torch.equal(swapped, torch.cat([second, first], dim=1)) and swapped.data_ptr() != whole.data_ptr()
+
+
+# ---- torch.compile: the patches step aside --------------------------------------------------------
+
+_KERNEL = re.compile(r"^(cpp_fused_\w+|triton_\w+) = async_compile\.", re.MULTILINE)
+
+
+def compile_and_count(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[torch.Tensor, int]:
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)
+        out, codes = run_and_get_code(lambda: compiled(**inputs, return_dict=False)[0])
+    return out, len(set(_KERNEL.findall("\n".join(codes))))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_compile_same_kernels_and_outputs(which: str, calls: Dict[str, int],
+                                          record_property: Callable[[str, Any], None]) -> None:
+    model, inputs = MODELS[which]()
+    with torchpatches.disabled(*FUSED):
+        ref, ref_kernels = compile_and_count(model, inputs)
+    with force_tier("torch"):  # even with the fused path allowed on CPU, tracing keeps diffusers' code
+        out, kernels = compile_and_count(model, inputs)
+    torch._dynamo.reset()
+    record_property("inductor_fused_kernels", dict(vanilla=ref_kernels, patched=kernels))
+    print(f"\ninductor kernels, tiny {which}, CPU, torch {torch.__version__}: vanilla {ref_kernels}, patched {kernels}")
+    assert not calls
+    assert kernels == ref_kernels
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
