@@ -78,6 +78,19 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=32,
         axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
     )),
+    # 1 double + 2 single blocks, so a single block also gets its inputs as two slices of one tensor
+    # (the eager fusion patches' zero-copy concat). Pinned on them: the fused-op call counts and the
+    # tiny compile kernel counts of tests/patches/test_fused_patches.py.
+    "flux1-fused": ("FluxTransformer2DModel", dict(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )),
+    "flux2-fused": ("Flux2Transformer2DModel", dict(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16, mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
+    )),
     "sd3": ("SD3Transformer2DModel", dict(
         sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
@@ -135,7 +148,7 @@ def tiny_inputs(
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     config = CONFIGS[name][1]
-    builder = _INPUTS["flux1" if name.startswith("flux1") else name]
+    builder = _INPUTS[name.split("-")[0]]
     attention_kwargs = options.pop("attention_kwargs", None)
     kwargs = builder(config, randn, torch.device(device), dtype, **options)
     if attention_kwargs is not None:

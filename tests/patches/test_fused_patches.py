@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,7 @@ from torchpatches import _gates  # noqa: E402
 from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu  # noqa: E402
 from torchpatches.ops._fused_tiers import force_tier  # noqa: E402
 from torchpatches.patches import gate_residual  # noqa: E402
+from torchpatches.testing import build_model, count_kernels, tiny_inputs  # noqa: E402
 
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
 VERIFIED = "0.42.1"
@@ -65,47 +65,21 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
     return counts
 
 
-def tiny_flux1(dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    ).to(dtype).eval()
-    S, T = 16, 4
-    ids = torch.zeros(S, 3)
-    ids[:, 1], ids[:, 2] = torch.arange(S) // 4, torch.arange(S) % 4
-    g = torch.Generator().manual_seed(1)
-    inputs = dict(
-        hidden_states=torch.randn(1, S, 16, generator=g).to(dtype),
-        encoder_hidden_states=torch.randn(1, T, 32, generator=g).to(dtype),
-        pooled_projections=torch.randn(1, 16, generator=g).to(dtype),
-        timestep=torch.tensor([0.5]).to(dtype), guidance=torch.tensor([3.5]), img_ids=ids, txt_ids=torch.zeros(T, 3),
-    )
+def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    """The harness's ``flux1-fused`` / ``flux2-fused`` (1 double + 2 single blocks), 16 image + 8 text tokens."""
+    config = f"{name}-fused"
+    model = build_model(config, dtype=dtype)
+    inputs = tiny_inputs(config, dtype=dtype)
+    inputs.pop("return_dict")
     return model, inputs
+
+
+def tiny_flux1(dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    return tiny("flux1", dtype)
 
 
 def tiny_flux2(dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(0)
-    model = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16, mlp_ratio=3.0,
-        axes_dims_rope=(4, 4, 4, 4),
-    ).to(dtype).eval()
-    S, T = 16, 4
-    ids = torch.zeros(S, 4)
-    ids[:, 1], ids[:, 2] = torch.arange(S) // 4, torch.arange(S) % 4
-    g = torch.Generator().manual_seed(1)
-    inputs = dict(
-        hidden_states=torch.randn(1, S, 16, generator=g).to(dtype),
-        encoder_hidden_states=torch.randn(1, T, 32, generator=g).to(dtype),
-        timestep=torch.tensor([0.5]).to(dtype), guidance=torch.tensor([3.5]), img_ids=ids, txt_ids=torch.zeros(T, 4),
-    )
-    return model, inputs
+    return tiny("flux2", dtype)
 
 
 MODELS = {"flux1": tiny_flux1, "flux2": tiny_flux2}
@@ -372,9 +346,6 @@ def test_joined_is_a_view_only_for_adjacent_slices() -> None:
 
 # ---- torch.compile: the patches step aside --------------------------------------------------------
 
-_KERNEL = re.compile(r"^(cpp_fused_\w+|triton_\w+) = async_compile\.", re.MULTILINE)
-
-
 def compile_and_count(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[torch.Tensor, int]:
     from torch._inductor.utils import run_and_get_code
 
@@ -382,7 +353,7 @@ def compile_and_count(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[t
     with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
         compiled = torch.compile(model, fullgraph=True)
         out, codes = run_and_get_code(lambda: compiled(**inputs, return_dict=False)[0])
-    return out, len(set(_KERNEL.findall("\n".join(codes))))
+    return out, count_kernels(codes)
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from .._compat import is_compiling
 from . import _modulate_torch
 from ._fused_tiers import choose_tier, force_tier
 
@@ -109,7 +110,7 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier):
         raise ValueError("scale needs shift and eps")
     residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift)
     chosen = choose_tier(residual.device.type, tier)
-    if not torch.compiler.is_compiling() and type(residual) is torch.Tensor:
+    if not is_compiling() and type(residual) is torch.Tensor:
         return _impl(residual, gate, y, scale, shift, float(eps or 0.0), bool(clip), chosen)
     return _modulate_op(residual, gate, y, scale, shift, float(eps or 0.0), bool(clip), chosen)
 

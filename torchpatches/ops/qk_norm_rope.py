@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .._compat import is_compiling
 from ._fused_tiers import choose_tier, force_tier
 
 __all__ = ["qk_norm_rope", "force_tier"]
@@ -197,7 +198,7 @@ def qk_norm_rope(
                              f"last dim, got {tuple(t.shape)}")
     eps = (float(eps_q), float(eps_k), float(eps_q_txt if joint else eps_q), float(eps_k_txt if joint else eps_k))
     chosen = choose_tier(q.device.type, tier)
-    if not torch.compiler.is_compiling() and type(q) is torch.Tensor:
+    if not is_compiling() and type(q) is torch.Tensor:
         q_out, k_out, v_out = _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, chosen)
         return q_out, k_out, v_out
     outs = _qk_norm_rope_op(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos, sin, chosen)

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from .._compat import is_compiling
 from ._fused_tiers import choose_tier
 
 __all__ = ["gelu_tanh_into", "copy_into"]
@@ -75,7 +76,7 @@ def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> t
     if x.stride(-1) != 1 or _rows(x) is None:
         x = x.contiguous()
     chosen = choose_tier(x.device.type, tier)
-    if not torch.compiler.is_compiling() and type(x) is torch.Tensor:
+    if not is_compiling() and type(x) is torch.Tensor:
         _impl(x, out, act, chosen)
     else:
         _act_into_op(x, out, act, chosen)

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .._compat import is_compiling
 from ._fused_tiers import choose_tier, force_tier
 
 __all__ = ["swiglu", "force_tier"]
@@ -90,7 +91,7 @@ def swiglu(x: torch.Tensor, *, out: Optional[torch.Tensor] = None, tier: Optiona
     else:
         _rows(out, "out")
     chosen = choose_tier(x.device.type, tier)
-    if not torch.compiler.is_compiling() and type(x) is torch.Tensor:
+    if not is_compiling() and type(x) is torch.Tensor:
         _impl(x, out, chosen)
     else:
         _swiglu_op(x, out, chosen)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._compat import is_compiling
 from .._declare import Patch, Target
 from ._fused_common import device_served, grad_free, make_method, no_global_hooks, plain_layer_norm
 from ._modulate_calls import modulated
@@ -59,7 +60,7 @@ def _eligible(self: Any, x: Any, *tensors: Any) -> bool:
 
 def _zero(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
-        if torch.compiler.is_compiling() or not _eligible(self, x, emb):
+        if is_compiling() or not _eligible(self, x, emb):
             return original(self, x, timestep, class_labels, hidden_dtype, emb)
         if self.emb is not None:
             emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
@@ -73,7 +74,7 @@ def _zero(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _zero_single(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, x, emb=None):
-        if torch.compiler.is_compiling() or not _eligible(self, x, emb):
+        if is_compiling() or not _eligible(self, x, emb):
             return original(self, x, emb)
         emb = self.linear(self.silu(emb))
         shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
@@ -85,7 +86,7 @@ def _zero_single(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _continuous(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, x, conditioning_embedding):
-        if torch.compiler.is_compiling() or not _eligible(self, x, conditioning_embedding):
+        if is_compiling() or not _eligible(self, x, conditioning_embedding):
             return original(self, x, conditioning_embedding)
         emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
         scale, shift = torch.chunk(emb, 2, dim=1)

@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._compat import is_compiling
 from .._declare import Patch, Target
 from ..ops.slices import copy_into, gelu_tanh_into
 from ._fused_common import device_served, grad_free, make_method, no_global_hooks, pattern_on, plain_module
@@ -101,7 +102,7 @@ def _block_ok(block: Any, *tensors: Any) -> bool:
 
 def _flux_double(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
-        if torch.compiler.is_compiling() or not (
+        if is_compiling() or not (
             _block_ok(self, hidden_states, encoder_hidden_states, temb)
             and type(self.attn.processor) is sys.modules[_FLUX].FluxAttnProcessor  # not IP-adapter (3 outputs)
         ):
@@ -138,7 +139,7 @@ def _gelu_tanh_ok(act: Any) -> bool:
 
 def _flux_single(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
-        if torch.compiler.is_compiling() or not (
+        if is_compiling() or not (
             _block_ok(self, hidden_states, encoder_hidden_states, temb) and _gelu_tanh_ok(self.act_mlp)
         ):
             return original(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
@@ -172,7 +173,7 @@ def _flux_single(original: Callable[..., Any]) -> Callable[..., Any]:
 def _flux2_double(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb=None,
                 joint_attention_kwargs=None):
-        if torch.compiler.is_compiling() or not _block_ok(
+        if is_compiling() or not _block_ok(
             self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt
         ):
             return original(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb,
@@ -209,7 +210,7 @@ def _flux2_double(original: Callable[..., Any]) -> Callable[..., Any]:
 def _flux2_single(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
                 joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
-        if torch.compiler.is_compiling() or not _block_ok(self, hidden_states, encoder_hidden_states, temb_mod):
+        if is_compiling() or not _block_ok(self, hidden_states, encoder_hidden_states, temb_mod):
             return original(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb,
                             joint_attention_kwargs, split_hidden_states, text_seq_len)
         if encoder_hidden_states is not None:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._compat import is_compiling
 from .._declare import Patch, Target
 from ..ops.linear_gelu import linear_gelu_tanh, lt_tier_fits
 from ._fused_common import grad_free, make_method, no_global_hooks, plain_module
@@ -41,7 +42,7 @@ __all__ = ["PATCH"]
 
 def _make(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, hidden_states):
-        if torch.compiler.is_compiling() or not (
+        if is_compiling() or not (
             self.approximate == "tanh"
             and type(hidden_states) is torch.Tensor
             and plain_module(self.proj, torch.nn.Linear)

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .._compat import is_compiling
 from .._declare import Patch, Target
 from ..ops.qk_norm_rope import qk_norm_rope
 from ..ops.slices import copy_into
@@ -152,7 +153,7 @@ def _joint_ok(attn: Any, encoder_hidden_states: Optional[torch.Tensor]) -> Optio
 
 def _flux(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        joint = None if torch.compiler.is_compiling() else _joint_ok(attn, encoder_hidden_states)
+        joint = None if is_compiling() else _joint_ok(attn, encoder_hidden_states)
         if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb):
             return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         module = sys.modules[_FLUX]
@@ -179,7 +180,7 @@ def _flux(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _flux2(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        joint = None if torch.compiler.is_compiling() else _joint_ok(attn, encoder_hidden_states)
+        joint = None if is_compiling() else _joint_ok(attn, encoder_hidden_states)
         if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb):
             return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         module = sys.modules[_FLUX2]
@@ -223,7 +224,7 @@ def _swiglu_into(module: Any, attn: Any, mlp_hidden_states: torch.Tensor, attn_o
 
 def _flux2_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
-        if torch.compiler.is_compiling() or not _common_ok(self, attn, hidden_states, image_rotary_emb):
+        if is_compiling() or not _common_ok(self, attn, hidden_states, image_rotary_emb):
             return original(self, attn, hidden_states, attention_mask, image_rotary_emb)
         module = sys.modules[_FLUX2]
         # diffusers 0.42.1 Flux2ParallelSelfAttnProcessor.__call__, with the q/k stretch fused.

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._compat import is_compiling
 from .._declare import Patch, Target
 from ..ops.swiglu import swiglu
 from ._fused_common import device_served, grad_free, make_method, no_global_hooks, plain_module
@@ -38,7 +39,7 @@ __all__ = ["PATCH"]
 
 def _make(original: Callable[..., Any]) -> Callable[..., Any]:
     def forward(self, x):
-        if torch.compiler.is_compiling() or not (
+        if is_compiling() or not (
             isinstance(x, torch.Tensor)
             and device_served(x)
             and x.dim() >= 2
