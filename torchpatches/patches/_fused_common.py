@@ -24,8 +24,6 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..ops._fused_tiers import forced_tier
-
 __all__ = [
     "FLOAT_DTYPES",
     "plain_module",
@@ -112,6 +110,8 @@ def tensors_fit(*tensors: Optional[torch.Tensor], dtype: torch.dtype, device: to
 
 def device_served(x: torch.Tensor) -> bool:
     """The fused tiers serve this tensor: a plain float tensor on CUDA, or any device while a test forces a tier."""
+    from ..ops._fused_tiers import forced_tier  # lazily: the ops register torch.library ops when imported
+
     return (
         type(x) is torch.Tensor
         and x.dtype in FLOAT_DTYPES

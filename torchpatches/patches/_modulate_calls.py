@@ -10,7 +10,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..ops import modulate as ops
 from ._fused_common import pattern_on, plain_layer_norm, tensors_fit
 
 
@@ -36,6 +35,8 @@ def _vectors_fit(x: torch.Tensor, *vectors: Optional[torch.Tensor]) -> bool:
 def modulated(norm: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *, fuse: bool) -> torch.Tensor:
     """``norm(x) * (1 + scale) + shift``: one kernel when ``fuse`` and everything fits."""
     if fuse and x.dim() == 3 and plain_layer_norm(norm, x.shape[-1]) and _vectors_fit(x, scale, shift):
+        from ..ops import modulate as ops
+
         return ops.layer_norm_modulate(x, scale, shift, eps=norm.eps)
     return norm(x) * (1 + _token_dim(scale)) + _token_dim(shift)
 
@@ -43,6 +44,8 @@ def modulated(norm: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
 def residual(h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, clip: bool) -> torch.Tensor:
     """``h + gate * y`` (then diffusers' fp16 clip if ``clip``): one kernel when everything fits."""
     if h.dim() == 3 and y.shape == h.shape and _vectors_fit(h, gate) and tensors_fit(y, dtype=h.dtype, device=h.device):
+        from ..ops import modulate as ops
+
         return ops.gate_residual(h, gate, y, clip_fp16=clip)
     out = h + _token_dim(gate) * y
     if clip and out.dtype == torch.float16:
@@ -61,6 +64,8 @@ def residual_modulated(
         and _vectors_fit(h, gate, scale, shift)
     )
     if fits and pattern_on("adaln") and plain_layer_norm(norm, h.shape[-1]):
+        from ..ops import modulate as ops
+
         return ops.gate_residual_layer_norm_modulate(h, gate, y, scale, shift, eps=norm.eps)
     h = residual(h, gate, y, clip=False)
     return h, norm(h) * (1 + _token_dim(scale)) + _token_dim(shift)

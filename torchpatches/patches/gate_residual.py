@@ -50,7 +50,6 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops.slices import copy_into, gelu_tanh_into
 from ._fused_common import device_served, grad_free, make_method, no_global_hooks, pattern_on, plain_module
 from ._modulate_calls import modulated, residual, residual_modulated
 
@@ -143,6 +142,8 @@ def _flux_single(original: Callable[..., Any]) -> Callable[..., Any]:
             _block_ok(self, hidden_states, encoder_hidden_states, temb) and _gelu_tanh_ok(self.act_mlp)
         ):
             return original(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+        from ..ops.slices import copy_into, gelu_tanh_into  # lazily: ops register torch.library ops
+
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = joined(encoder_hidden_states, hidden_states)
         residual_states = hidden_states

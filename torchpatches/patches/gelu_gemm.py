@@ -34,13 +34,15 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops.linear_gelu import linear_gelu_tanh, lt_tier_fits
 from ._fused_common import grad_free, make_method, no_global_hooks, plain_module
 
 __all__ = ["PATCH"]
 
 
 def _make(original: Callable[..., Any]) -> Callable[..., Any]:
+    # Imported when the target loads (this runs then), not with torchpatches.
+    from ..ops.linear_gelu import linear_gelu_tanh, lt_tier_fits
+
     def forward(self, hidden_states):
         if is_compiling() or not (
             self.approximate == "tanh"

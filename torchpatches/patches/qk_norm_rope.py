@@ -40,9 +40,6 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops.qk_norm_rope import qk_norm_rope
-from ..ops.slices import copy_into
-from ..ops.swiglu import swiglu
 from ._fused_common import (
     device_served,
     grad_free,
@@ -107,6 +104,8 @@ def _fused_qkv(attn: Any, query, key, value, encoder_query, encoder_key, encoder
         extra = dict(v=value, q_txt=encoder_query, k_txt=encoder_key, v_txt=encoder_value,
                      q_txt_weight=attn.norm_added_q.weight, k_txt_weight=attn.norm_added_k.weight,
                      eps_q_txt=attn.norm_added_q.eps, eps_k_txt=attn.norm_added_k.eps)
+    from ..ops.qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
+
     try:
         q, k, v = qk_norm_rope(query, key, cos, sin, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
                                eps_q=attn.norm_q.eps, eps_k=attn.norm_k.eps, **extra)
@@ -215,6 +214,9 @@ def _swiglu_into(module: Any, attn: Any, mlp_hidden_states: torch.Tensor, attn_o
             and attn_output.dtype == mlp_hidden_states.dtype and type(attn_output) is torch.Tensor
             and attn_output.shape[:2] == mlp_hidden_states.shape[:2] and mlp_hidden_states.shape[-1] % 2 == 0):
         return None
+    from ..ops.slices import copy_into
+    from ..ops.swiglu import swiglu
+
     width = attn_output.shape[-1]
     buf = attn_output.new_empty((*attn_output.shape[:2], width + mlp_hidden_states.shape[-1] // 2))
     copy_into(attn_output, buf[..., :width])

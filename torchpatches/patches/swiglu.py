@@ -31,13 +31,15 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops.swiglu import swiglu
 from ._fused_common import device_served, grad_free, make_method, no_global_hooks, plain_module
 
 __all__ = ["PATCH"]
 
 
 def _make(original: Callable[..., Any]) -> Callable[..., Any]:
+    # Imported when the target loads (this runs then), not with torchpatches.
+    from ..ops.swiglu import swiglu
+
     def forward(self, x):
         if is_compiling() or not (
             isinstance(x, torch.Tensor)
