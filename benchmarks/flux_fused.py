@@ -13,7 +13,7 @@ Variants (each model; ``torch._dynamo.reset()`` before each):
   eager/all             every patch applied (what ``import torchpatches`` gives)
   eager/-NAME           every patch but NAME (one fused pattern off: its share of the win)
   compile/vanilla       ``torch.compile(model, fullgraph=True)`` of stock diffusers
-  compile/all           the same with every patch applied
+  compile/all           the same with every patch applied (``--compile-variants`` chooses)
   a trailing ``+``      the variant measured again later in the run (run-to-run spread)
 
 Step time: median of CUDA-event-timed steps after warm-up. ``--profile``: GPU kernel time per step by
@@ -235,10 +235,11 @@ def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any], save
     refs: Dict[str, torch.Tensor] = {}
     eager = ["vanilla", "all"] + [f"-{p}" for p in APPLIES[name] if p in args.patterns] + ["vanilla+", "all+"]
     plan = [("eager", v) for v in eager if "eager" in args.modes]
-    plan += [("compile", v) for v in ("vanilla", "all") if "compile" in args.modes]
+    plan += [("compile", v) for v in args.compile_variants if "compile" in args.modes]
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     iters = args.iters if args.iters is not None else (2 if args.tiny else 20)
     profiles: Dict[str, Any] = {}
+    outputs: Dict[str, torch.Tensor] = {}
     for mode, variant in plan:
         torch._dynamo.reset()
         with state(variant), torch.inference_mode():
@@ -253,7 +254,11 @@ def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any], save
             if args.profile and device.type == "cuda" and mode == "compile":
                 profiles[f"{mode}/{variant}"] = profile(step)  # compiled code exists only now
         record(name, entry, refs, mode, variant, times, host, first_s, out)
+        outputs[f"{mode}/{variant}"] = out.float().clone()
         save()
+    if "compile" in refs:  # every output against compiled diffusers, eager variants measured before it too
+        for key, out in outputs.items():
+            entry["steps"][key]["rel_err_vs_compile_vanilla"] = rel_err(out, refs["compile"])
     if args.profile and device.type == "cuda" and "eager" in args.modes:
         # Eager profiles after every timing, so the profiler cannot disturb the timed steps.
         for variant in ("vanilla", "all"):
@@ -307,12 +312,13 @@ def print_table(results: Dict[str, Any]) -> None:
         entry["ratios"] = ratios(entry)
         print(f"\n{name}: {entry['params_b']:.2f} B params")
         print(f"{'variant':<22} {'median ms':>10} {'p10':>8} {'p90':>8} {'/eager van':>10} {'/compile van':>12} "
-              f"{'rel err':>9} {'host ms':>8} {'first s':>8}")
+              f"{'err/eager':>9} {'err/comp':>9} {'host ms':>8} {'first s':>8}")
         for key, row in entry["steps"].items():
             r = entry["ratios"][key]
             print(f"{key:<22} {row['median_ms']:>10.2f} {row['p10_ms']:>8.2f} {row['p90_ms']:>8.2f} "
                   f"{r.get('vs_eager_vanilla', float('nan')):>9.3f}x {r.get('vs_compile_vanilla', float('nan')):>11.3f}x "
-                  f"{row['rel_err_vs_eager_vanilla'] or 0.0:>9.2e} {row['host_ms']:>8.1f} {row['first_call_s']:>8.1f}")
+                  f"{row['rel_err_vs_eager_vanilla'] or 0.0:>9.2e} {row.get('rel_err_vs_compile_vanilla', float('nan')):>9.2e} "
+                  f"{row['host_ms']:>8.1f} {row['first_call_s']:>8.1f}")
         for key, row in entry["steps"].items():
             if "profile" in row:
                 c = row["profile"]["ms_by_class"]
@@ -327,6 +333,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--models", default="flux1,flux2")
     parser.add_argument("--modes", default="eager,compile")
     parser.add_argument("--patterns", default=",".join(FUSED), help="fused patterns to switch off one at a time")
+    parser.add_argument("--compile-variants", default="vanilla,all")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
@@ -334,6 +341,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.patterns = [p for p in args.patterns.split(",") if p]
+    args.compile_variants = [v for v in args.compile_variants.split(",") if v]
 
     import torchpatches
 
