@@ -241,7 +241,10 @@ def test_importing_twice_changes_nothing():
     assert result.stdout.strip() == "same"
 
 
-@pytest.mark.parametrize("value", ["all", "ALL", " rope , inductor_realize,compile_warnings "])
+@pytest.mark.parametrize(
+    "value",
+    ["all", "ALL", " rope , inductor_realize,compile_warnings adaln,qk_norm_rope, gate_residual,gelu_gemm,SWIGLU "],
+)
 def test_environment_disables_everything_before_it_applies(value):
     result = _python(
         "import torchpatches; print({n: s.state.value for n, s in torchpatches.status().items()})",
