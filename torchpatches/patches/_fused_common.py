@@ -30,6 +30,7 @@ __all__ = [
     "plain_layer_norm",
     "plain_rms_norm",
     "no_global_hooks",
+    "device_served",
     "tensors_fit",
     "grad_free",
     "pattern_on",
