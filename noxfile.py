@@ -1,0 +1,114 @@
+"""The test matrix: one nox session per torch release, each in its own virtual environment.
+
+    tools/nox                                   # every default session (CI runs exactly this)
+    tools/nox -s tests-2.13.0 -- -k rope        # one torch; arguments after -- go to pytest
+    tools/nox -R -s tests-2.13.0 -- -k rope     # the same, reusing the environment without reinstalling
+    tools/nox -s tests-2.12.1                   # a release outside the default matrix
+    tools/nox -l                                # list the sessions
+
+``tools/nox`` installs nox (``requirements/nox.txt``) into ``.venvs/nox`` on first use and runs it;
+with nox already installed, plain ``nox`` does the same. Environments live in ``.nox/`` and are
+reused between runs (pip then only checks them); ``--reuse-venv=no`` rebuilds them.
+
+Each session installs ``requirements/torch-<version>.txt`` together with ``-e .[test]`` in one pip
+resolve, so every torch brings the triton it declares; only what must be pinned is pinned there and
+in ``requirements/constraints.txt``. pip's output is shown when it fails (with the resolver's reason).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent
+REQUIREMENTS = ROOT / "requirements"
+
+#: torch release -> why it is in the matrix. The default sessions are what CI runs.
+MATRIX = {
+    "2.11.0": "the release inductor_realize was written for (CUDA build, runs on the CPU)",
+    "2.13.0": "a release whose Inductor rule differs (inductor_realize skipped); CPU wheel",
+    "2.15.0": "the newest release (CUDA build from PyPI, runs on the CPU)",
+}
+#: Sessions that exist but are not run by default (``tools/nox -s tests-2.12.1``).
+EXTRA = {
+    "2.12.1": "the other release with 2.11's realize rule (CUDA build, runs on the CPU)",
+}
+
+nox.needs_version = ">=2024.10.9"  # --reuse-venv / nox.options.reuse_venv
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["packaging", *(f"tests-{version}" for version in MATRIX)]
+
+
+def _pip_env() -> dict:
+    """pip's environment inside a session: our constraint file replaces one from pip's configuration.
+
+    An environment variable outranks pip's configuration files, so a machine-wide constraint (this
+    project's CI machine caps torch at 2.14.1 in /etc/xdg/pip) cannot stop the 2.15.0 session. A
+    PIP_CONSTRAINT the user set themselves is kept, next to ours.
+    """
+    ours = str(REQUIREMENTS / "constraints.txt")
+    theirs = os.environ.get("PIP_CONSTRAINT", "").strip()
+    return {"PIP_CONSTRAINT": f"{theirs} {ours}".strip(), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def _tests(session: nox.Session, version: str) -> None:
+    requirements = REQUIREMENTS / f"torch-{version}.txt"
+    session.install("-r", str(requirements), "-e", ".[test]", env=_pip_env())
+    session.run(
+        "python", "-c",
+        "import sys, torch, torchpatches, triton; "
+        "print(f'torch {torch.__version__}, triton {triton.__version__}, Python {sys.version.split()[0]}, '"
+        "f'torchpatches from {torchpatches.__file__}')",
+    )
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+def _register(version: str, why: str, default: bool) -> None:
+    def tests(session: nox.Session) -> None:
+        _tests(session, version)
+
+    tests.__doc__ = f"pytest under torch {version}: {why}"
+    nox.session(name=f"tests-{version}", tags=["tests"] if default else ["extra"])(tests)
+
+
+for _version, _why in MATRIX.items():
+    _register(_version, _why, default=True)
+for _version, _why in EXTRA.items():
+    _register(_version, _why, default=False)
+
+
+@nox.session(python=False)
+def packaging(session: nox.Session) -> None:
+    """pip install through PEP 517 in fresh `python -m venv` environments, with and without build isolation.
+
+    No dependencies are installed (``--no-deps``): this checks the build, not torch. Without build
+    isolation pip uses the environment's own setuptools, which must be >= 70.1 (pyproject.toml);
+    ``wheel`` is not needed and is checked to be absent.
+    """
+    env = _pip_env()
+    # Metadata and location only: importing torchpatches would import torch, which is not installed.
+    check = (
+        "import importlib.metadata as m, importlib.util as u, sys; "
+        "spec = u.find_spec('torchpatches'); "
+        "print(m.version('torchpatches'), spec.origin); "
+        "assert u.find_spec('wheel') is None, 'wheel is installed'; "
+        "assert (sys.argv[1] in spec.origin) == (sys.argv[2] == 'editable'), spec.origin"
+    )
+    with tempfile.TemporaryDirectory(prefix="torchpatches-packaging-") as tmp:
+        for name, steps in {
+            "editable": [["-e", str(ROOT)]],
+            "wheel": [[str(ROOT)]],
+            "editable, no build isolation": [["setuptools>=70.1"], ["--no-build-isolation", "-e", str(ROOT)]],
+        }.items():
+            session.log(f"packaging: {name}")
+            venv = Path(tmp) / ("venv-" + name.replace(",", "").replace(" ", "-"))
+            session.run(sys.executable, "-m", "venv", str(venv))
+            python = str(venv / "bin" / "python")
+            for args in steps:
+                session.run(python, "-m", "pip", "install", "--no-deps", *args, env=env)
+            with session.chdir(tmp):  # not the checkout, so a wheel install is found in site-packages
+                session.run(python, "-c", check, str(ROOT), "editable" if "editable" in name else "wheel")
