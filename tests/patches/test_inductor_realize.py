@@ -1,6 +1,10 @@
 """inductor_realize: the decision function on constructed IR, equivalence of compiled programs
 before/after the patch (outputs, kernels, loop nests, buffers, bytes), the Inductor cache key,
-and the skip on torch 2.13.
+and the skip on every torch whose original is not 2.11's rule.
+
+Which tests run is decided by the running torch's original ``StorageBox.should_realize_on_reuse``,
+the way the patch itself decides: its fingerprint in the verified set (torch 2.11.0, 2.12.1) runs
+the equivalence tests; any other (2.13.0, 2.14.1, 2.15.0, ...) runs the skip tests.
 
 The programs and the measuring code are torchpatches.testing's (REALIZE_PROGRAMS, inductor_report),
 which benchmarks/inductor_realize.py uses too, so the benchmark table and these assertions are about
@@ -28,6 +32,7 @@ from torchpatches.patches import inductor_realize
 from torchpatches.patches.inductor_realize import (
     FINGERPRINT_TORCH_2_11_0,
     FINGERPRINT_TORCH_2_13_0,
+    ORIGINALS,
     PATCH,
     materialize_is_cheaper,
 )
@@ -38,9 +43,23 @@ TARGET = "torch._inductor.ir:StorageBox.should_realize_on_reuse"
 TOKEN = cache_token(PATCH, PATCH.targets[0], FINGERPRINT_TORCH_2_11_0)
 REPO = Path(__file__).resolve().parents[2]
 
-TORCH_MINOR = release_version(torch.__version__).release[:2]
-needs_torch_2_11 = pytest.mark.skipif(TORCH_MINOR != (2, 11), reason="the patch targets torch 2.11 only")
-needs_torch_2_13 = pytest.mark.skipif(TORCH_MINOR != (2, 13), reason="checks the skip on torch 2.13")
+TORCH_RELEASE = str(release_version(torch.__version__))
+
+
+def _running_original() -> Callable[..., bool]:
+    """This torch's own ``should_realize_on_reuse`` (importing Inductor applies the patch where it can)."""
+    import torch._inductor.ir as ir
+
+    with torchpatches.disabled(NAME):
+        return ir.StorageBox.should_realize_on_reuse
+
+
+ORIGINAL_FINGERPRINT = fingerprint(_running_original())
+HAS_2_11_RULE = ORIGINAL_FINGERPRINT in PATCH.targets[0].fingerprints
+needs_2_11_rule = pytest.mark.skipif(
+    not HAS_2_11_RULE, reason=f"torch {torch.__version__}'s original is not 2.11's rule ({ORIGINAL_FINGERPRINT})")
+needs_other_rule = pytest.mark.skipif(
+    HAS_2_11_RULE, reason=f"torch {torch.__version__}'s original is 2.11's rule: the patch applies")
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +94,36 @@ def original_and_patched() -> Tuple[Callable[..., bool], Callable[..., bool]]:
 def test_declaration() -> None:
     assert PATCH.name == NAME
     assert PATCH.inductor_cache_key
-    assert dict(PATCH.requires) == {"torch": ">=2.11,<2.12"}
+    assert dict(PATCH.requires) == {"torch": ">=2.11"}  # no upper bound: the fingerprint decides
     (target,) = PATCH.targets
     assert target.path == TARGET
     assert target.fingerprints == frozenset({FINGERPRINT_TORCH_2_11_0})
     assert FINGERPRINT_TORCH_2_13_0 not in target.fingerprints
+    # Every measured release carries either 2.11's rule (verified) or another original (refused).
+    assert {release for release, found in ORIGINALS.items() if found in target.fingerprints} == {"2.11.0", "2.12.1"}
+
+
+def test_fingerprint_recorded_for_this_torch() -> None:
+    """ORIGINALS (and the README / banner built from it) tells the truth about the running torch."""
+    if TORCH_RELEASE not in ORIGINALS:
+        pytest.skip(f"torch {TORCH_RELEASE} not measured yet: its original's fingerprint is {ORIGINAL_FINGERPRINT}")
+    assert ORIGINAL_FINGERPRINT == ORIGINALS[TORCH_RELEASE]
+
+
+def test_state_follows_the_fingerprint() -> None:
+    """Applied exactly where the original is 2.11's rule; everywhere else skipped, naming the fingerprint."""
+    import torch._inductor.ir as ir
+    import torch.compiler.config as compiler_config
+
+    status = torchpatches.status()[NAME]
+    if HAS_2_11_RULE:
+        assert status.state.value == "applied", status.reason
+        assert ir.StorageBox.should_realize_on_reuse.__module__ == inductor_realize.__name__
+        return
+    assert status.state.value == "skipped"
+    assert f"fingerprint {ORIGINAL_FINGERPRINT}" in status.reason and FINGERPRINT_TORCH_2_11_0 in status.reason
+    assert ir.StorageBox.should_realize_on_reuse is _running_original()
+    assert "torchpatches" not in compiler_config.cache_key_tag
 
 
 def test_importing_the_patch_module_does_not_import_inductor() -> None:
@@ -105,16 +149,16 @@ def test_byte_rule(first: int, second: int, users: int, expected: Any) -> None:
     assert materialize_is_cheaper(first, second, users) is expected
 
 
-@needs_torch_2_11
+@needs_2_11_rule
 def test_fingerprint_and_signature_of_the_2_11_original(
     original_and_patched: Tuple[Callable[..., bool], Callable[..., bool]],
 ) -> None:
     original, _ = original_and_patched
-    assert fingerprint(original) == FINGERPRINT_TORCH_2_11_0
+    assert fingerprint(original) == FINGERPRINT_TORCH_2_11_0 == ORIGINAL_FINGERPRINT
     assert list(inspect.signature(original).parameters) == ["self", "users"]
 
 
-@needs_torch_2_11
+@needs_2_11_rule
 def test_applied_reverted_and_reapplied_by_identity(
     original_and_patched: Tuple[Callable[..., bool], Callable[..., bool]],
 ) -> None:
@@ -140,7 +184,7 @@ def test_applied_reverted_and_reapplied_by_identity(
     assert ir.StorageBox.should_realize_on_reuse is not original
 
 
-@needs_torch_2_11
+@needs_2_11_rule
 def test_disable_env_keeps_the_original() -> None:
     code = textwrap.dedent(
         """
@@ -224,6 +268,26 @@ def _long_chain(f: _IRFactory) -> Any:
     return h
 
 
+def _three_lookups_in_one_table(f: _IRFactory) -> Any:
+    """``bucketize(v1, t) + bucketize(v2, t) + bucketize(v3, t)`` over unbacked sizes (no output size,
+    so the fallback decides). ``num_reads()`` counts 6 loads (each lookup reads the table once);
+    ``get_reads()`` has 4 dependencies (the table is one StarDep)."""
+    import sympy
+    from torch._inductor.virtualized import ops
+
+    size = f.unbacked()
+    loaders = [f.input(size).make_loader() for _ in range(3)]
+    table = f.input(16).get_name()
+    boundaries = (table, sympy.Integer(16), sympy.Integer(16), sympy.Integer(1))  # name, size, numel, stride
+
+    def inner_fn(index: Any) -> Any:
+        first = ops.index_expr(sympy.Integer(0), torch.int64)
+        lookups = [ops.bucketize(load(index), boundaries, first, torch.int64, False) for load in loaders]
+        return ops.add(ops.add(lookups[0], lookups[1]), lookups[2])
+
+    return f.ir.Pointwise.create(device=torch.device("cpu"), dtype=torch.int64, inner_fn=inner_fn, ranges=[size])
+
+
 # name -> (build, users, original's decision, patched decision)
 IR_CASES: Dict[str, Tuple[Callable[[_IRFactory], Any], int, bool, bool]] = {
     "2 full reads, 2 users": (lambda f: f.add(f.input(64, 64), f.input(64, 64)), 2, False, False),
@@ -244,12 +308,14 @@ IR_CASES: Dict[str, Tuple[Callable[[_IRFactory], Any], int, bool, bool]] = {
         lambda f: (lambda u: f.add(f.input(u, 8), f.input(u, 8)))(f.unbacked()), 3, False, False),
     "unbacked, 5 reads, 2 users (fallback)": (
         lambda f: (lambda u: f.add(*(f.input(u, 8) for _ in range(5))))(f.unbacked()), 2, True, True),
-    # An unrealized Reduction: 2.11's get_reads() raises for it, so the fallback decides.
+    # Fallback on len(get_reads()) (4: not > 4, inline) where 2.11's num_reads() says 6 (realize).
+    "unbacked, 3 bucketize lookups in one table, 2 users (fallback)": (_three_lookups_in_one_table, 2, True, False),
+    # An unrealized Reduction: 2.11's get_reads() raises for it, so the original's num_reads() decides.
     "unrealized reduction, 2 users (fallback)": (_sum_rows, 2, False, False),
 }
 
 
-@needs_torch_2_11
+@needs_2_11_rule
 @pytest.mark.parametrize("case", list(IR_CASES))
 def test_decision_on_constructed_ir(
     case: str, original_and_patched: Tuple[Callable[..., bool], Callable[..., bool]]
@@ -264,6 +330,28 @@ def test_decision_on_constructed_ir(
         assert type(box).__name__ == "StorageBox"
         assert original(box, users) is original_decision
         assert patched(box, users) is patched_decision
+
+
+@needs_2_11_rule
+def test_fallback_counts_dependencies_where_the_original_counts_loads(
+    original_and_patched: Tuple[Callable[..., bool], Callable[..., bool]],
+) -> None:
+    """The case where the card's ``len(self.get_reads())`` and 2.11's ``num_reads()`` differ."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.virtualized import V
+
+    original, patched = original_and_patched
+    factory = _IRFactory()
+    with V.set_graph_handler(factory.graph):
+        box = _three_lookups_in_one_table(factory).data
+        reads = box.get_reads()
+        assert (len(reads), box.num_reads()) == (4, 6)
+        assert [type(dep).__name__ for dep in reads].count("StarDep") == 1  # the table, once
+        # No output size (unbacked), so the byte rule abstains and the read count decides.
+        assert V.graph.sizevars.optimization_hint(box.data.get_numel(), fallback=0) == 0
+        assert inductor_config.realize_reads_threshold == 4
+        assert original(box, 2) is True  # num_reads() 6 > 4
+        assert patched(box, 2) is False  # len(get_reads()) 4, not > 4
 
 
 # ---- equivalence: compile before/after -------------------------------------------------------
@@ -298,7 +386,7 @@ def _key(measurement: Any) -> Tuple[int, int, int, int]:
     return (measurement.kernels, measurement.nests, measurement.buffers, measurement.bytes)
 
 
-@needs_torch_2_11
+@needs_2_11_rule
 @pytest.mark.slow
 @pytest.mark.parametrize("program", list(EXPECTED))
 def test_equivalence(program: str, only_this_patch: Path) -> None:
@@ -361,7 +449,7 @@ def _served_from_cache(delta: Dict[str, int]) -> bool:
     return delta["fx_hit"] > 0 or delta["aot_hit"] > 0
 
 
-@needs_torch_2_11
+@needs_2_11_rule
 @pytest.mark.slow
 def test_cache_key_in_process(tmp_path: Path, only_this_patch: Path) -> None:
     """Unpatched, then patched in the same process: the patched compile is not served the unpatched entry."""
@@ -460,7 +548,7 @@ def _compile_in_subprocess(cache_dir: Path, disable: str) -> List[Dict[str, Any]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@needs_torch_2_11
+@needs_2_11_rule
 @pytest.mark.slow
 def test_cache_key_across_processes(tmp_path: Path, only_this_patch: Path) -> None:
     """This process, unpatched, fills the cache; a second, patched process must miss, then hit after revert.
@@ -495,32 +583,31 @@ def test_cache_key_across_processes(tmp_path: Path, only_this_patch: Path) -> No
     assert reverted["buffers"] == original_buffers and (reverted["fx_hit"] or reverted["aot_hit"])
 
 
-# ---- torch 2.13: skipped, nothing changes ----------------------------------------------------
+# ---- any other original (2.13, 2.14, 2.15, ...): skipped by fingerprint, nothing changes ---------------
 
 
-@needs_torch_2_13
-def test_skipped_on_torch_2_13_with_a_reason() -> None:
+@needs_other_rule
+def test_skipped_by_fingerprint_with_a_reason() -> None:
     import torch._inductor.ir as ir
     import torch.compiler.config as compiler_config
 
     status = torchpatches.status()[NAME]
     assert status.state.value == "skipped"
-    assert "torch" in status.reason and "2.13" in status.reason and ">=2.11,<2.12" in status.reason
+    # The version gate admits every torch >= 2.11: the reason is the fingerprint, not the version.
+    assert f"fingerprint {ORIGINAL_FINGERPRINT}" in status.reason and FINGERPRINT_TORCH_2_11_0 in status.reason
+    assert "outside" not in status.reason, status.reason
     original = ir.StorageBox.should_realize_on_reuse
     assert original.__module__ == "torch._inductor.ir"
-    # Even without the version gate, the fingerprint would refuse 2.13's different original.
-    assert fingerprint(original) == FINGERPRINT_TORCH_2_13_0
-    assert fingerprint(original) not in PATCH.targets[0].fingerprints
-    assert "graph_reuse" in inspect.signature(original).parameters
+    assert fingerprint(original) == ORIGINAL_FINGERPRINT not in PATCH.targets[0].fingerprints
     assert "torchpatches" not in compiler_config.cache_key_tag
     torchpatches.apply(NAME)  # asking explicitly changes nothing either
     assert torchpatches.status()[NAME].state.value == "skipped"
     assert ir.StorageBox.should_realize_on_reuse is original
 
 
-@needs_torch_2_13
+@needs_other_rule
 @pytest.mark.slow
-def test_compiled_output_unchanged_on_torch_2_13(only_this_patch: Path) -> None:
+def test_compiled_output_unchanged_where_skipped(only_this_patch: Path) -> None:
     import torch._inductor.ir as ir
 
     original = ir.StorageBox.should_realize_on_reuse
