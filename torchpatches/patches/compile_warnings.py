@@ -16,7 +16,7 @@ What goes wrong upstream
       graph), yet ``fullgraph=True`` fails.
     - ``deprecate(...)`` -> ``warnings.warn`` (deprecation_utils.py:98) in ``FeedForward.forward``
       (attention.py:1739) when it is given extra arguments.
-    - ``DIFFUSERS_ATTN_CHECKS=1`` on torch 2.11: compilation aborts with a bare ``AssertionError``
+    - ``DIFFUSERS_ATTN_CHECKS=1`` on torch 2.11 and 2.12: compilation aborts with a bare ``AssertionError``
       in Dynamo (variables/base.py) on ``set(kwargs) - set(...)`` (attention_dispatch.py:442); the
       ``logger.warning`` after it (:444) would break the graph when kwargs are really removed.
     No upstream issue or fix as of diffusers 0.42.1; sglang fixed its own FLUX copy the same way
@@ -32,7 +32,7 @@ What the patch changes
     from the diffusers module, so the copies see other patches (``rope``) and monkeypatches.
     One copy also has one line edited: ``dispatch_attention_fn`` computes ``removed_kwargs`` with a
     set comprehension (the same set) instead of ``set(kwargs) - set(...)``, which makes the
-    ``DIFFUSERS_ATTN_CHECKS=1`` path compile on torch 2.11; it is rebound in the 59 modules that
+    ``DIFFUSERS_ATTN_CHECKS=1`` path compile on torch 2.11 and 2.12; it is rebound in the 59 modules that
     import it by name.
 
     Why copies of functions rather than swapping each module's ``logger``: a swapped module logger
@@ -43,12 +43,22 @@ What the patch changes
     ``transformers``' ``warning_once``), not on every call.
 
 Versions
-    diffusers >= 0.42, < 0.43 (fingerprints verified on 0.42.1; older releases have other sources
-    and are skipped by fingerprint); torch >= 2.4 (tested on 2.11 and 2.13).
+    diffusers >= 0.40, < 0.43: every target's source in 0.40.0, 0.41.0, 0.42.0 and 0.42.1 is one of
+    the fingerprints below (``dispatch_attention_fn`` has two: 0.42 skips an ``Enum`` call); tests run
+    on 0.42.1 and 0.41.0. Before 0.40 the SD3 and Wan forwards, before 0.39 the FLUX.1/FLUX.2/Qwen/
+    Hunyuan forwards and before 0.37 every target have other sources, and the ``@apply_lora_scale``
+    wrapper (the scale warning) exists only since 0.37: those releases are outside the gate.
+    torch >= 2.11 (tested on 2.11, 2.13, 2.15 in CI; 2.12.1 and 2.14.1 by hand).
+
+    When the running torch's Dynamo traces both kinds of site itself (measured once per process,
+    ``_dynamo_warning_sites``; true with ``torch._dynamo.config.ignore_logging_functions`` set to
+    ``{logging.Logger.warning, warnings.warn}``, false by default through torch 2.15.0), the patch
+    reports ``skipped: torch <version> traces these sites itself``.
 
 When to delete
     When diffusers emits these warnings through a compile-safe helper (or stops warning in forward),
-    and the fingerprints stop matching: the patch then reports ``skipped``.
+    and the fingerprints stop matching: the patch then reports ``skipped``. Or when torch traces
+    both kinds of site by default (the probe above then skips it).
 """
 from __future__ import annotations
 
@@ -92,8 +102,8 @@ def _lora_forward(module_name: Optional[str]) -> Callable[[Any], Any]:
     return make
 
 
-#: DIFFUSERS_ATTN_CHECKS=1: Dynamo 2.11 fails (a bare AssertionError, not a graph break) on this set
-#: difference; the comprehension is the same set and traces on 2.11 and 2.13.
+#: DIFFUSERS_ATTN_CHECKS=1: Dynamo 2.11 and 2.12 fail (a bare AssertionError, not a graph break) on this
+#: set difference; the comprehension is the same set and traces on 2.11 through 2.15.
 _ATTN_CHECKS_EDIT = (
     "removed_kwargs = set(kwargs) - set(_AttentionBackendRegistry._supported_arg_names[backend_name])",
     "removed_kwargs = {k for k in kwargs if k not in _AttentionBackendRegistry._supported_arg_names[backend_name]}",
@@ -144,6 +154,15 @@ def _feed_forward(original: Any) -> Any:
 
     deprecation_utils = sys.modules["diffusers.utils.deprecation_utils"]
     return rebind_globals(original, {"deprecate": compile_safe_deprecate(deprecation_utils.deprecate)})
+
+
+def _torch_traces_sites() -> Optional[str]:
+    """Skip when the running torch compiles both kinds of site without a graph break (measured)."""
+    import torch
+
+    from ._dynamo_warning_sites import torch_traces_warning_sites
+
+    return f"torch {torch.__version__} traces these sites itself" if torch_traces_warning_sites() else None
 
 
 PATCH = Patch(
@@ -203,7 +222,10 @@ PATCH = Patch(
         Target(
             "diffusers.models.attention_dispatch:dispatch_attention_fn",
             make_replacement=_dispatch_attention,
-            fingerprints=frozenset({"cd20137f05eb6b2b"}),  # diffusers 0.42.1
+            fingerprints=frozenset({
+                "cd20137f05eb6b2b",  # diffusers 0.42.0, 0.42.1
+                "39d8d5983a78d41b",  # diffusers 0.38.0-0.41.0: `AttentionBackendName(backend)` unconditionally
+            }),
             aliases=_DISPATCH_ALIASES,
         ),
         Target(
@@ -212,11 +234,12 @@ PATCH = Patch(
             fingerprints=frozenset({"2534be46672c7017"}),  # diffusers 0.42.1
         ),
     ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+    requires={"diffusers": ">=0.40,<0.43", "torch": ">=2.11"},
     verifies={  # code the replacements rely on but do not replace
         # the @apply_lora_scale wrapper (peft_utils.py:305-330), rebuilt for every LoRA forward above
         "diffusers.utils.peft_utils:apply_lora_scale": frozenset({"775c02085a619be9"}),  # 0.42.1
         # deprecate() is called by the compile-safe stand-in in eager and reimplemented under compile
         "diffusers.utils.deprecation_utils:deprecate": frozenset({"0fe3954a5404817c"}),  # 0.42.1
     },
+    precondition=_torch_traces_sites,
 )
