@@ -40,8 +40,9 @@ Tolerance
     bf16/fp16 outputs to one unit in the last place (rtol 2**-7 for bf16, 2**-10 for fp16).
 
 Versions
-    diffusers >= 0.35, < 0.43: fingerprints verified for 0.35.2, 0.36.0, 0.41.0 and 0.42.1 (tests run
-    on 0.42.1; FLUX.2 exists since 0.36, FLUX.3 since 0.42); torch >= 2.4 (tested on 2.11 and 2.13).
+    diffusers >= 0.35, < 0.43: the source of every release 0.35.0 ... 0.42.1 is fingerprinted (``SOURCES``);
+    tests run on 0.42.1 in every torch session and on 0.35.2 and 0.41.0 in the ``diffusers-*`` nox
+    sessions (FLUX.2 exists since 0.36, FLUX.3 since 0.42); torch >= 2.11 (tested on 2.11, 2.13, 2.15).
 
 When to delete
     When diffusers ships a fused RoPE for FLUX in eager mode (e.g. through its kernels hub), or
@@ -60,7 +61,7 @@ from .._declare import Patch, Target
 
 logger = logging.getLogger("torchpatches")
 
-__all__ = ["PATCH", "ALIASES", "build_replacement", "is_flux_call"]
+__all__ = ["PATCH", "ALIASES", "SOURCES", "build_replacement", "is_flux_call"]
 
 #: Modules that bind ``apply_rotary_emb`` at import time (``from ..embeddings import apply_rotary_emb``)
 #: and call it in the FLUX form. Diffusers' other processors import it inside the function body
@@ -138,6 +139,16 @@ def build_replacement(original: Callable[..., torch.Tensor]) -> Callable[..., to
     return apply_rotary_emb
 
 
+#: fingerprint(diffusers.models.embeddings.apply_rotary_emb) of every release the patch accepts, as
+#: measured (each wheel's source; tests check the installed release's entry). Two sources: 0.35.x and
+#: 0.36.0 differ from 0.37.0+ only in Union/Tuple type hints and the docstring (diffed by hand).
+SOURCES = {
+    **dict.fromkeys(("0.35.0", "0.35.1", "0.35.2", "0.36.0"), "d9b2553000168b6b"),
+    **dict.fromkeys(("0.37.0", "0.37.1", "0.38.0", "0.39.0", "0.40.0", "0.41.0", "0.42.0", "0.42.1"),
+                    "a25267d425f8c5ea"),
+}
+
+
 PATCH = Patch(
     name="rope",
     summary="diffusers FLUX apply_rotary_emb through one fused RoPE kernel in eager mode",
@@ -145,16 +156,9 @@ PATCH = Patch(
         Target(
             "diffusers.models.embeddings:apply_rotary_emb",
             make_replacement=build_replacement,
-            fingerprints=frozenset(
-                {
-                    "a25267d425f8c5ea",  # diffusers 0.41.0, 0.42.1
-                    # diffusers 0.35.2, 0.36.0: the same code; only Union/Tuple type hints and the
-                    # docstring differ from 0.42.1 (diffed by hand)
-                    "d9b2553000168b6b",
-                }
-            ),
+            fingerprints=frozenset(SOURCES.values()),
             aliases=ALIASES,
         ),
     ),
-    requires={"diffusers": ">=0.35,<0.43", "torch": ">=2.4"},
+    requires={"diffusers": ">=0.35,<0.43", "torch": ">=2.11"},
 )
