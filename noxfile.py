@@ -37,10 +37,32 @@ EXTRA = {
     "2.12.1": "the other release with 2.11's realize rule (CUDA build, runs on the CPU)",
 }
 
+#: diffusers releases tested besides 0.42.1 (which every tests-<torch> session runs), under torch 2.13.0:
+#: release -> (why, pytest arguments). Older releases install over the [test] extra's 0.42.1 pin.
+DIFFUSERS = {
+    "0.35.2": (
+        "the oldest source rope accepts (fingerprint d9b2553000168b6b); FLUX.2 arrived in 0.36",
+        ["tests/patches/test_rope_patch.py", "-k", "not flux2"],
+    ),
+    **{
+        version: (
+            why,
+            ["tests/patches/test_rope_patch.py", "tests/patches/test_compile_warnings.py",
+             "tests/patches/test_dynamo_warning_sites.py"],
+        )
+        for version, why in {
+            "0.40.0": "the oldest release compile_warnings accepts",
+            "0.41.0": "the newest release before 0.42",
+        }.items()
+    },
+}
+
 nox.needs_version = ">=2024.10.9"  # --reuse-venv / nox.options.reuse_venv
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
-nox.options.sessions = ["packaging", *(f"tests-{version}" for version in MATRIX)]
+nox.options.sessions = [
+    "packaging", *(f"tests-{version}" for version in MATRIX), *(f"diffusers-{version}" for version in DIFFUSERS)
+]
 
 
 def _pip_env() -> dict:
@@ -79,6 +101,22 @@ for _version, _why in MATRIX.items():
     _register(_version, _why, default=True)
 for _version, _why in EXTRA.items():
     _register(_version, _why, default=False)
+
+
+def _register_diffusers(version: str, why: str, pytest_args: list) -> None:
+    def diffusers(session: nox.Session) -> None:
+        # No [test] extra (it pins diffusers 0.42.1): its test tools, and this diffusers release.
+        session.install("-r", str(REQUIREMENTS / "torch-2.13.0.txt"), "-e", ".", "pytest>=7", "hypothesis>=6.80",
+                        f"diffusers=={version}", env=_pip_env())
+        session.run("python", "-c", "import diffusers, torch; print(f'diffusers {diffusers.__version__}, torch {torch.__version__}')")
+        session.run("python", "-m", "pytest", *pytest_args, *session.posargs)
+
+    diffusers.__doc__ = f"the diffusers patches' tests under diffusers {version}, torch 2.13.0: {why}"
+    nox.session(name=f"diffusers-{version}", tags=["diffusers"])(diffusers)
+
+
+for _version, (_why, _args) in DIFFUSERS.items():
+    _register_diffusers(_version, _why, _args)
 
 
 @nox.session(python=False)
