@@ -110,7 +110,8 @@ _ATTN_CHECKS_EDIT = (
 )
 
 #: Modules that bind ``dispatch_attention_fn`` by name at import (``from ..attention_dispatch import
-#: dispatch_attention_fn``) in diffusers 0.42.1, found with an AST scan of the installed package.
+#: dispatch_attention_fn``) in diffusers 0.42.1, found with an AST scan of the installed package (0.40.0 and
+#: 0.41.0 have a subset of these modules and no other).
 _DISPATCH_ALIASES = tuple(
     f"diffusers.{module}:dispatch_attention_fn"
     for module in (
@@ -172,52 +173,52 @@ PATCH = Patch(
         Target(
             f"{_TRANSFORMERS}.transformer_flux:FluxAttention.forward",
             make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux"),
-            fingerprints=frozenset({"d12ce2e9a0852e06"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"d12ce2e9a0852e06"}),  # diffusers 0.37.0-0.42.1
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux:FluxTransformer2DModel.forward",
             make_replacement=_lora_forward(f"{_TRANSFORMERS}.transformer_flux"),
-            fingerprints=frozenset({"1a7391906fba711b"}),  # diffusers 0.42.1 (@apply_lora_scale wrapper + forward)
+            fingerprints=frozenset({"1a7391906fba711b"}),  # diffusers 0.39.0-0.42.1 (@apply_lora_scale wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux2:Flux2Attention.forward",
             make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux2"),
-            fingerprints=frozenset({"7c05eda1d782aa24"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"7c05eda1d782aa24"}),  # diffusers 0.37.0-0.42.1
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux2:Flux2ParallelSelfAttention.forward",
             make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux2"),
-            fingerprints=frozenset({"7d9744609d245c93"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"7d9744609d245c93"}),  # diffusers 0.37.0-0.42.1
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux2:Flux2Transformer2DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"cbc1f47e20a2c806"}),  # diffusers 0.42.1 (wrapper + forward)
+            fingerprints=frozenset({"cbc1f47e20a2c806"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_sd3:SD3Transformer2DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"d3bb78d8d615204e"}),  # diffusers 0.42.1 (wrapper + forward)
+            fingerprints=frozenset({"d3bb78d8d615204e"}),  # diffusers 0.40.0-0.42.1 (wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_qwenimage:QwenImageTransformer2DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"4f954edbab4b5b54"}),  # diffusers 0.42.1 (wrapper + forward)
+            fingerprints=frozenset({"4f954edbab4b5b54"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_wan:WanTransformer3DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"8eb2cf7cb3c02083"}),  # diffusers 0.42.1 (wrapper + forward)
+            fingerprints=frozenset({"8eb2cf7cb3c02083"}),  # diffusers 0.40.0-0.42.1 (wrapper + forward)
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_hunyuan_video:HunyuanVideoTransformer3DModel.forward",
             make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"afe0aaa4cdd988b3"}),  # diffusers 0.42.1 (wrapper + forward)
+            fingerprints=frozenset({"afe0aaa4cdd988b3"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
         ),
         Target(
             "diffusers.models.attention_processor:Attention.forward",
             make_replacement=_rebind_logger("diffusers.models.attention_processor"),
-            fingerprints=frozenset({"d3822449559212cb"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"d3822449559212cb"}),  # diffusers 0.37.0-0.42.1
         ),
         Target(
             "diffusers.models.attention_dispatch:dispatch_attention_fn",
@@ -231,15 +232,15 @@ PATCH = Patch(
         Target(
             "diffusers.models.attention:FeedForward.forward",
             make_replacement=_feed_forward,
-            fingerprints=frozenset({"2534be46672c7017"}),  # diffusers 0.42.1
+            fingerprints=frozenset({"2534be46672c7017"}),  # diffusers 0.35.0-0.42.1
         ),
     ),
     requires={"diffusers": ">=0.40,<0.43", "torch": ">=2.11"},
     verifies={  # code the replacements rely on but do not replace
         # the @apply_lora_scale wrapper (peft_utils.py:305-330), rebuilt for every LoRA forward above
-        "diffusers.utils.peft_utils:apply_lora_scale": frozenset({"775c02085a619be9"}),  # 0.42.1
+        "diffusers.utils.peft_utils:apply_lora_scale": frozenset({"775c02085a619be9"}),  # 0.37.0-0.42.1
         # deprecate() is called by the compile-safe stand-in in eager and reimplemented under compile
-        "diffusers.utils.deprecation_utils:deprecate": frozenset({"0fe3954a5404817c"}),  # 0.42.1
+        "diffusers.utils.deprecation_utils:deprecate": frozenset({"0fe3954a5404817c"}),  # 0.37.0-0.42.1
     },
     precondition=_torch_traces_sites,
 )
