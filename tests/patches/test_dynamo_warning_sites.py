@@ -75,16 +75,12 @@ _SUBPROCESS = textwrap.dedent(
         torch._dynamo.config.ignore_logging_functions.update({logging.Logger.warning, warnings.warn})
     import torchpatches
     from diffusers.models.transformers import transformer_flux
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("graph_breaks", sys.argv[2] + "/benchmarks/graph_breaks.py")
-    graph_breaks = importlib.util.module_from_spec(spec)
-    sys.modules["graph_breaks"] = graph_breaks
-    spec.loader.exec_module(graph_breaks)
+    from torchpatches import testing
     status = torchpatches.status()["compile_warnings"]
-    case = next(c for c in graph_breaks.CASES if (c.model, c.form) == ("flux", "3-D ids"))
+    case = next(c for c in testing.GRAPH_BREAK_CASES if (c.model, c.form) == ("flux1", "3-D ids"))
     model = case.build()
     try:
-        with torch.no_grad(), graph_breaks.quiet():
+        with torch.no_grad(), testing.quiet():
             torch.compile(model, backend="eager", fullgraph=True)(**case.inputs())
         fullgraph = True
     except Exception:
@@ -100,8 +96,7 @@ _SUBPROCESS = textwrap.dedent(
 def test_skipped_where_torch_traces_the_sites_itself(config: str) -> None:
     """A fresh process: with Dynamo told to trace (drop) both call forms, the patch is skipped and the
     unpatched FLUX forward with deprecated 3-D ids compiles with ``fullgraph=True``; by default it applies."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run([sys.executable, "-c", _SUBPROCESS, config, repo], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", _SUBPROCESS, config], capture_output=True, text=True,
                             env=dict(os.environ), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
