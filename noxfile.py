@@ -28,8 +28,8 @@ REQUIREMENTS = ROOT / "requirements"
 #: torch release -> why it is in the matrix. The default sessions are what CI runs.
 MATRIX = {
     "2.11.0": "the release inductor_realize was written for (CUDA build, runs on the CPU)",
-    # The one release where inductor_realize applies *and* config overrides are per thread: the
-    # cache-key token takes a path there that no other release exercises.
+    # The release besides 2.11 where inductor_realize applies; unlike 2.11 it keeps config overrides
+    # per thread (ContextVar), so an applied Inductor patch meets that config model only here.
     "2.12.1": "the other release with 2.11's realize rule (CUDA build, runs on the CPU)",
     "2.13.0": "a release whose Inductor rule differs (inductor_realize skipped); CPU wheel",
     "2.15.0": "the newest release (CUDA build from PyPI, runs on the CPU)",
