@@ -10,8 +10,8 @@ Tiers:
   x2d, weight.T, use_gelu=True)``, which torch sends to cuBLASLt with ``CUBLASLT_EPILOGUE_GELU_BIAS``
   (the tanh approximation, as cuBLASLt documents it; torch's own fallback when Lt is disabled is
   ``gelu_(..., "tanh")`` too). The GELU costs no pass over the ``[M, N]`` output.
-- ``torch``: ``F.gelu(F.linear(x, weight, bias), approximate="tanh")``, diffusers' own two ops. Used on
-  every other device: **on CPU ``torch._addmm_activation(use_gelu=True)`` computes the exact (erf) GELU,
+- ``torch``: ``F.gelu(F.linear(x, weight, bias), approximate="tanh")``, diffusers' own two ops. Used for
+  every call autograd records (``torch._addmm_activation`` has no derivative) and on every other device: **on CPU ``torch._addmm_activation(use_gelu=True)`` computes the exact (erf) GELU,
   not the tanh form** (torch 2.11 and 2.13, checked), so it is never used there.
 
 Rounding: diffusers rounds the GEMM output to bf16/fp16 and then rounds the GELU of that; the
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._fused_tiers import forced_tier
+from ._fused_tiers import forced_tier, needs_grad
 
 __all__ = ["linear_gelu_tanh", "lt_tier_fits"]
 
@@ -63,6 +63,12 @@ def linear_gelu_tanh(
     requested = tier if tier is not None else forced_tier()
     if requested not in (None, "cublaslt", "torch", "triton"):
         raise ValueError(f"unknown tier {requested!r}; expected 'cublaslt', 'torch' or None")
+    if needs_grad(x, weight, bias):  # torch._addmm_activation has no derivative
+        if requested == "cublaslt":
+            raise ValueError("tier='cublaslt' requested but an input requires grad (and grad mode is on): "
+                             "torch._addmm_activation is not differentiable; use tier='torch' or the automatic "
+                             "tier, or call under torch.no_grad()")
+        requested = "torch"
     use_lt = requested in (None, "cublaslt", "triton") and lt_tier_fits(x, weight, bias)
     if requested == "cublaslt" and not use_lt:
         raise ValueError("tier='cublaslt' needs CUDA fp16/bf16 x, weight and a 1-D bias of the same dtype")

@@ -21,7 +21,8 @@ boundary: then one ulp of the LayerNorm output, carried through the modulation. 
 applies diffusers' fp16 ``clip(-65504, 65504)`` to the residual output.
 
 Tiers (``_fused_tiers``): Triton on CUDA (one program per token row), PyTorch elsewhere (the
-reference). Under ``torch.compile`` each function is one ``torchpatches::modulate`` custom op (with
+reference) and for every call autograd records (the kernel has no backward; ``tier="triton"`` with
+tensors requiring grad raises ``ValueError``). Under ``torch.compile`` each function is one ``torchpatches::modulate`` custom op (with
 a fake implementation), opaque to Inductor.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from .._compat import is_compiling
 from . import _modulate_torch
-from ._fused_tiers import choose_tier, force_tier
+from ._fused_tiers import choose_tier, force_tier, needs_grad
 
 __all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate", "force_tier"]
 
@@ -105,12 +106,17 @@ def _(residual, gate, y, scale, shift, eps, clip, tier):
     return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
 
 
-def _run(residual, gate, y, scale, shift, eps, clip, tier):
+def _run(residual, gate, y, scale, shift, eps, clip, tier, gated):
+    if gated and gate is None:
+        raise ValueError("gate must be a torch.Tensor, got None")
     if scale is not None and (shift is None or eps is None):
         raise ValueError("scale needs shift and eps")
     residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift)
-    chosen = choose_tier(residual.device.type, tier)
-    if not is_compiling() and type(residual) is torch.Tensor:
+    grad = needs_grad(residual, gate, y, scale, shift)
+    chosen = choose_tier(residual.device.type, tier, grad)
+    # A call autograd records runs the PyTorch tier inline (also when traced): the custom op has no
+    # autograd formula, so through it the gradient would fail at backward.
+    if grad or (not is_compiling() and type(residual) is torch.Tensor):
         return _impl(residual, gate, y, scale, shift, float(eps or 0.0), bool(clip), chosen)
     return _modulate_op(residual, gate, y, scale, shift, float(eps or 0.0), bool(clip), chosen)
 
@@ -128,7 +134,7 @@ def layer_norm_modulate(
     Raises:
         ValueError: on shapes, dtypes or devices that do not fit (see the module docstring).
     """
-    return _run(x, None, None, scale, shift, eps, False, tier)[0]
+    return _run(x, None, None, scale, shift, eps, False, tier, False)[0]
 
 
 def gate_residual(
@@ -140,7 +146,7 @@ def gate_residual(
     tier: Optional[str] = None,
 ) -> torch.Tensor:
     """``residual + gate * y`` (``gate`` broadcast over tokens), rounded as diffusers rounds."""
-    return _run(residual, gate, y, None, None, None, clip_fp16, tier)[0]
+    return _run(residual, gate, y, None, None, None, clip_fp16, tier, True)[0]
 
 
 def gate_residual_layer_norm_modulate(
@@ -155,5 +161,5 @@ def gate_residual_layer_norm_modulate(
     tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + gate * y`` and ``LayerNorm(h) * (1 + scale) + shift`` in one pass: ``(h, out)``."""
-    h, out = _run(residual, gate, y, scale, shift, eps, clip_fp16, tier)
+    h, out = _run(residual, gate, y, scale, shift, eps, clip_fp16, tier, True)
     return h, out

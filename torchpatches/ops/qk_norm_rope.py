@@ -21,18 +21,20 @@ followed by diffusers' ``apply_rotary_emb`` (fp32 ``n * cos + rotate(n) * sin``,
 Differences from diffusers come only from fp32 reduction order / fused multiply-adds crossing a
 rounding boundary: at most one ulp of the output dtype.
 
-Tiers (``_fused_tiers``): Triton on CUDA (one launch for q, k, v), PyTorch elsewhere. Under
+Tiers (``_fused_tiers``): Triton on CUDA (one launch for q, k, v), PyTorch elsewhere and for every call
+autograd records (``tier="triton"`` with tensors requiring grad raises ``ValueError``). Under
 ``torch.compile`` the call is one ``torchpatches::qk_norm_rope`` custom op (with a fake).
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from .._compat import is_compiling
-from ._fused_tiers import choose_tier, force_tier
+from ._fused_tiers import choose_tier, force_tier, needs_grad
 
 __all__ = ["qk_norm_rope", "force_tier"]
 
@@ -45,7 +47,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # diffusers.models.embeddings.apply_rotary_emb(use_real=True, use_real_unbind_dim=-1, sequence_dim=1)
     cos, sin = cos[None, :, None], sin[None, :, None]
-    x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    x_real, x_imag = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2).unbind(-1)  # not -1: zero-size tensors
     x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
     return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
 
@@ -133,6 +135,12 @@ def _check_weight(w: Optional[torch.Tensor], name: str, q: torch.Tensor) -> Opti
     return w.contiguous()
 
 
+def _check_eps(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
 def _same_strides(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The kernel takes one set of strides per group: copy any tensor that differs (rare)."""
     first = tensors[0].stride()
@@ -196,9 +204,16 @@ def qk_norm_rope(
         if tuple(t.shape) != (S_all, q.shape[-1]) or t.stride(-1) != 1:
             raise ValueError(f"{name} must be [S_txt + S, D] = [{S_all}, {q.shape[-1]}] with a unit-stride "
                              f"last dim, got {tuple(t.shape)}")
-    eps = (float(eps_q), float(eps_k), float(eps_q_txt if joint else eps_q), float(eps_k_txt if joint else eps_k))
-    chosen = choose_tier(q.device.type, tier)
-    if not is_compiling() and type(q) is torch.Tensor:
+    if v is not None and not isinstance(v, torch.Tensor):
+        raise ValueError(f"v must be a torch.Tensor or None, got {type(v).__name__}")
+    eps = tuple(_check_eps(value, name) for value, name in (
+        (eps_q, "eps_q"), (eps_k, "eps_k"), (eps_q_txt if joint else eps_q, "eps_q_txt"),
+        (eps_k_txt if joint else eps_k, "eps_k_txt")))
+    grad = needs_grad(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, cos, sin)
+    chosen = choose_tier(q.device.type, tier, grad)
+    # A call autograd records runs the PyTorch tier inline (also when traced): the custom op has no
+    # autograd formula.
+    if grad or (not is_compiling() and type(q) is torch.Tensor):
         q_out, k_out, v_out = _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, chosen)
         return q_out, k_out, v_out
     outs = _qk_norm_rope_op(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos, sin, chosen)

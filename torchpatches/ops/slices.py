@@ -11,11 +11,12 @@ kernel on CUDA::
     copy_into(attn, buf[..., :A])          # == buf[..., :A].copy_(attn)
 
 ``x`` and ``out`` have the same shape, dtype (fp32, bf16, fp16) and device, unit-stride last dims, and
-leading dims that flatten to rows without a copy. ``gelu_tanh_into`` computes torch's tanh GELU in
+leading dims that flatten to rows without a copy; ``out`` must be writable and share no memory with ``x``
+unless it is ``x`` itself (``ValueError`` before anything is written, ``_out_checks``). ``gelu_tanh_into`` computes torch's tanh GELU in
 fp32 and rounds once (as torch does); Triton's ``exp``-based tanh may move a result by one ulp.
 
 Tiers (``_fused_tiers``): Triton on CUDA, PyTorch (``torch._C._nn.gelu(..., out=)``, ``copy_``)
-elsewhere. Under ``torch.compile`` each call is one mutating custom op with a fake.
+elsewhere and for calls autograd records (through ``copy_``, differentiable). Under ``torch.compile`` each call is one mutating custom op with a fake.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from typing import Optional
 import torch
 
 from .._compat import is_compiling
-from ._fused_tiers import choose_tier
+from ._fused_tiers import choose_tier, needs_grad
+from ._out_checks import check_out
 
 __all__ = ["gelu_tanh_into", "copy_into"]
 
@@ -48,7 +50,9 @@ def _impl(x: torch.Tensor, out: torch.Tensor, act: int, tier: str) -> None:
 
             _rows_triton.launch(x2, o2, act)
             return
-    if act:
+    if act and needs_grad(x, out):
+        out.copy_(torch.nn.functional.gelu(x, approximate="tanh"))  # gelu(out=) refuses autograd
+    elif act:
         torch._C._nn.gelu(x, approximate="tanh", out=out)
     else:
         out.copy_(x)
@@ -73,10 +77,13 @@ def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> t
                          f"{out.device} must match")
     if out.stride(-1) != 1 or _rows(out) is None:
         raise ValueError("out needs a unit-stride last dim and leading dims that flatten without a copy")
+    check_out(x, out, elementwise_in_place=True)
     if x.stride(-1) != 1 or _rows(x) is None:
         x = x.contiguous()
-    chosen = choose_tier(x.device.type, tier)
-    if not is_compiling() and type(x) is torch.Tensor:
+    grad = needs_grad(x, out)
+    chosen = choose_tier(x.device.type, tier, grad)
+    # A call autograd records runs the PyTorch tier inline (also when traced): differentiable through copy_.
+    if grad or (not is_compiling() and type(x) is torch.Tensor):
         _impl(x, out, act, chosen)
     else:
         _act_into_op(x, out, act, chosen)
