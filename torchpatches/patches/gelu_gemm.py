@@ -11,7 +11,7 @@ What goes wrong upstream
 What the patch changes
     ``GELU.forward`` calls ``torchpatches.ops.linear_gelu.linear_gelu_tanh`` with ``self.proj``'s weight
     and bias when the projection is a stock, unhooked ``nn.Linear`` with a bias, on CUDA in bf16/fp16,
-    without gradients; everything else (exact GELU, LoRA/PEFT-wrapped ``proj``, hooks, CPU, fp32,
+    without gradients; everything else (exact GELU, a subclass overriding ``gelu``, LoRA/PEFT-wrapped ``proj``, hooks, CPU, fp32,
     ``torch.compile``) runs diffusers' forward. On CPU ``torch._addmm_activation(use_gelu=True)`` computes
     the *erf* GELU, so the op never uses it there (checked on torch 2.11 and 2.13).
 
@@ -41,20 +41,25 @@ __all__ = ["PATCH"]
 
 def _make(original: Callable[..., Any]) -> Callable[..., Any]:
     # Imported when the target loads (this runs then), not with torchpatches.
-    from ..ops.linear_gelu import linear_gelu_tanh, lt_tier_fits
+    from ..ops import linear_gelu as ops
+
+    # The fused path skips ``self.gelu``: a subclass that overrides it keeps diffusers' forward.
+    stock_class = getattr(original, "__globals__", {}).get("GELU")
+    stock_gelu = vars(stock_class).get("gelu") if isinstance(stock_class, type) else None
 
     def forward(self, hidden_states):
         if is_compiling() or not (
             self.approximate == "tanh"
+            and getattr(type(self), "gelu", None) is stock_gelu
             and type(hidden_states) is torch.Tensor
             and plain_module(self.proj, torch.nn.Linear)
             and type(self.proj.weight) is torch.nn.Parameter
-            and lt_tier_fits(hidden_states, self.proj.weight, self.proj.bias)
+            and ops.lt_tier_fits(hidden_states, self.proj.weight, self.proj.bias)
             and no_global_hooks()
             and grad_free((self,), hidden_states)
         ):
             return original(self, hidden_states)
-        return linear_gelu_tanh(hidden_states, self.proj.weight, self.proj.bias, tier="cublaslt")
+        return ops.linear_gelu_tanh(hidden_states, self.proj.weight, self.proj.bias, tier="cublaslt")
 
     return make_method(original, "gelu_gemm", forward)
 

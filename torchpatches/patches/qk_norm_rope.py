@@ -67,7 +67,11 @@ def _rotary_fits(image_rotary_emb: Any, x: torch.Tensor, rows: int) -> bool:
     return True
 
 
-def _common_ok(processor: Any, attn: Any, hidden_states: Any, image_rotary_emb: Any) -> bool:
+def _common_ok(processor: Any, attn: Any, hidden_states: Any, image_rotary_emb: Any,
+               encoder_hidden_states: Any = None) -> bool:
+    # Every tensor input counts for gradients: with a frozen model and only the prompt requiring grad
+    # (prompt tuning), hidden_states needs none, but the text q/k/v do.
+    rotary = tuple(image_rotary_emb) if isinstance(image_rotary_emb, (tuple, list)) else (image_rotary_emb,)
     return (
         isinstance(hidden_states, torch.Tensor)
         and device_served(hidden_states)
@@ -75,7 +79,8 @@ def _common_ok(processor: Any, attn: Any, hidden_states: Any, image_rotary_emb: 
         and image_rotary_emb is not None
         and getattr(processor, "_parallel_config", None) is None
         and no_global_hooks()
-        and grad_free((attn,), hidden_states)
+        and grad_free((attn,), hidden_states, encoder_hidden_states,
+                      *(t for t in rotary if isinstance(t, torch.Tensor)))
     )
 
 
@@ -153,7 +158,7 @@ def _joint_ok(attn: Any, encoder_hidden_states: Optional[torch.Tensor]) -> Optio
 def _flux(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         joint = None if is_compiling() else _joint_ok(attn, encoder_hidden_states)
-        if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb):
+        if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb, encoder_hidden_states):
             return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         module = sys.modules[_FLUX]
         query, key, value = _qkv(module, attn, hidden_states, encoder_hidden_states, image_rotary_emb, joint)
@@ -180,7 +185,7 @@ def _flux(original: Callable[..., Any]) -> Callable[..., Any]:
 def _flux2(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         joint = None if is_compiling() else _joint_ok(attn, encoder_hidden_states)
-        if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb):
+        if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb, encoder_hidden_states):
             return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
         module = sys.modules[_FLUX2]
         query, key, value = _qkv(module, attn, hidden_states, encoder_hidden_states, image_rotary_emb, joint)
