@@ -61,7 +61,8 @@ nox.needs_version = ">=2024.10.9"  # --reuse-venv / nox.options.reuse_venv
 nox.options.reuse_venv = "yes"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = [
-    "packaging", *(f"tests-{version}" for version in MATRIX), *(f"diffusers-{version}" for version in DIFFUSERS)
+    "packaging", *(f"tests-{version}" for version in MATRIX), *(f"diffusers-{version}" for version in DIFFUSERS),
+    "peft-accelerate",
 ]
 
 
@@ -117,6 +118,21 @@ def _register_diffusers(version: str, why: str, pytest_args: list) -> None:
 
 for _version, (_why, _args) in DIFFUSERS.items():
     _register_diffusers(_version, _why, _args)
+
+
+@nox.session(name="peft-accelerate", tags=["extras"])
+def peft_accelerate(session: nox.Session) -> None:
+    """The fusion patches with a LoRA-loaded (peft) model and accelerate hooks, under torch 2.13.0.
+
+    A session of its own: the [test] extra leaves peft out, because compile_warnings' "no PEFT
+    backend" cases need peft absent, so in the tests-<torch> sessions these cases skip.
+    """
+    session.install("-r", str(REQUIREMENTS / "torch-2.13.0.txt"), "-r", str(REQUIREMENTS / "peft-accelerate.txt"),
+                    "-e", ".[test]", env=_pip_env())
+    session.run("python", "-c", "import peft, accelerate, accelerate.hooks, torch; "
+                "print(f'peft {peft.__version__}, accelerate {accelerate.__version__}, torch {torch.__version__}')")
+    session.run("python", "-m", "pytest", "tests/patches/test_fused_patches.py", "-k", "lora or accelerate",
+                "-rs", "--strict-markers", *session.posargs)
 
 
 @nox.session(python=False)

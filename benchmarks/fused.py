@@ -176,7 +176,9 @@ def cases(shape: Dict[str, int], device: torch.device) -> List[Dict[str, Any]]:
     # q/k RMSNorm + RoPE, joint attention (double block): separate projections, as diffusers' FLUX.1/2.
     q, k, v = (rnd(1, Si, H, Dh, device=device, scale=3.0) for _ in range(3))
     qt, kt, vt = (rnd(1, St, H, Dh, device=device, scale=3.0) for _ in range(3))
-    norms = [torch.nn.RMSNorm(Dh, eps=1e-6).to(device=device, dtype=torch.bfloat16) for _ in range(4)]
+    # Weights without grad, as in the patched (inference) model: a call autograd records takes the PyTorch tier.
+    norms = [torch.nn.RMSNorm(Dh, eps=1e-6).to(device=device, dtype=torch.bfloat16).requires_grad_(False)
+             for _ in range(4)]
     for n in norms:
         n.weight.data = (torch.rand(Dh, device=device) + 0.5).to(torch.bfloat16)
     ang = torch.rand(S, Dh // 2, device=device, dtype=torch.float64) * 100
