@@ -17,13 +17,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import traceback
-from typing import Dict, Iterable, Iterator, List, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Tuple, Union
 
 from . import _env
-from ._declare import Patch, Target
+from ._declare import Patch, Site, Target
 from ._registry import Registry
 from ._status import PatchState, PatchStatus, Status, TargetStatus
 from .patches import PATCH_MODULES
+
+if TYPE_CHECKING:
+    from ._doctor import DoctorReport
 
 __version__ = "0.1.0.dev0"
 
@@ -34,8 +37,10 @@ __all__ = [
     "only",
     "status",
     "patch_names",
+    "doctor",
     "Patch",
     "Target",
+    "Site",
     "PatchState",
     "PatchStatus",
     "TargetStatus",
@@ -137,6 +142,20 @@ def _one_list(names: Tuple[object, ...]) -> Tuple[object, ...]:
 def status() -> Status:
     """Each patch's state (applied / skipped / disabled / failed / pending) and the reason."""
     return _registry.status()
+
+
+def doctor(fn_or_module: Any, *args: Any, **kwargs: Any) -> "DoctorReport":
+    """Graph breaks and recompiles of ``fn_or_module(*args, **kwargs)`` under ``torch.compile``, each
+    break mapped to the patch that removes it; whether ``fullgraph=True`` compiles (tried).
+
+    ``fn_or_module`` is compiled with ``backend="eager"`` and called once; a zero-argument callable that
+    is neither a module nor compiled is run as it is, capturing every compile inside it. Returns a
+    ``DoctorReport``: ``str()`` is a table, ``.to_json()`` the stable form, ``.exit_code`` 0 when no
+    graph break remains. Calls ``torch._dynamo.reset()`` between its runs.
+    """
+    from ._doctor import doctor as run  # lazily: the doctor is not part of the import path
+
+    return run(fn_or_module, *args, **kwargs)
 
 
 _apply(None)  # at import: every eligible patch, without building a status report

@@ -4,12 +4,14 @@
     python -m torchpatches --load          # import the patch targets first (Inductor, diffusers), then status
     python -m torchpatches --json          # machine-readable
     python -m torchpatches demo            # compile a tiny model with the patches, then status
+    python -m torchpatches doctor [--json] SCRIPT [ARGS...]   # the script's graph breaks and recompiles
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -44,9 +46,39 @@ def _status_json(status: torchpatches.Status) -> str:
     )
 
 
+def _doctor_main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchpatches doctor",
+        description="Run SCRIPT as __main__ three times -- without torchpatches, with it, and with fullgraph "
+        "semantics -- and report every graph break (and the patch that removes it), every recompile "
+        "(and the guard that failed), and whether fullgraph=True compiles. Exit status: 0 when no graph "
+        "break remains, 1 when some remain, 2 on a usage error.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (the script's own prints go to stderr)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the run without torchpatches (fixed breaks are not listed)")
+    parser.add_argument("--no-fullgraph", action="store_true", help="skip the fullgraph trial")
+    parser.add_argument("script", help="a Python script; it runs with torchpatches applied")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.script):
+        parser.error(f"no such script: {args.script}")  # exits with status 2
+
+    from . import _doctor
+
+    workload = _doctor.script_workload(args.script, args.args, stdout=sys.stderr if args.json else None)
+    report = _doctor.diagnose(
+        workload, target=args.script, baseline=not args.no_baseline, fullgraph=not args.no_fullgraph
+    )
+    print(json.dumps(report.to_json(), indent=2) if args.json else report)
+    return report.exit_code
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["doctor"]:
+        return _doctor_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m torchpatches", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", choices=("status", "demo"), default="status")
+    parser.add_argument("command", nargs="?", choices=("status", "demo", "doctor"), default="status")
     parser.add_argument("--load", action="store_true", help="import the patch targets first")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
 
-__all__ = ["Patch", "Target"]
+__all__ = ["Patch", "Target", "Site"]
 
 
 class _Frozen:
@@ -23,6 +23,33 @@ class _Frozen:
         return f"{type(self).__name__}({fields})"
 
 
+class Site(_Frozen):
+    """A graph break a target's replacement removes: the calls of ``call`` inside ``function``.
+
+    ``call`` is what Dynamo cannot trace, as written in the source: ``"logger.warning"`` (any
+    ``<name>.warning(`` whose name is or ends in ``logger``), ``"warnings.warn"``, ``"deprecate"``.
+    ``function`` is ``"module:qualname"``; it defaults to the target's own path. Nested defs inside it
+    count (the ``@apply_lora_scale`` wrapper lives in ``peft_utils:apply_lora_scale``). ``breaks`` says
+    in a few words when it breaks. The doctor finds the lines from the source (:mod:`torchpatches._sites`),
+    so a declaration names no line numbers that could drift.
+    """
+
+    __slots__ = ("call", "breaks", "function")
+
+    def __init__(self, call: str, breaks: str, function: str = "") -> None:
+        if not isinstance(call, str) or not isinstance(breaks, str) or not isinstance(function, str):
+            raise ValueError(f"a site's call, breaks and function must be str, got {call!r}, {breaks!r}, {function!r}")
+        if not call or not breaks:
+            raise ValueError("a site needs the call that breaks and a few words on when it breaks")
+        if function and ":" not in function:
+            raise ValueError(f"site function {function!r} must be 'module:qualname'")
+        self._set(call=call, breaks=breaks, function=function)
+
+    def bound_to(self, path: str) -> "Site":
+        """This site with ``function`` defaulted to ``path`` (a target's)."""
+        return self if self.function else Site(self.call, self.breaks, path)
+
+
 class Target(_Frozen):
     """One object a patch swaps.
 
@@ -34,10 +61,11 @@ class Target(_Frozen):
     patch was verified against (comment each with the version it came from); any other
     original is skipped. ``aliases`` are other ``"module:attr"`` sites that bound the
     original by name (``from x import y``); they are rebound on apply and on revert, also
-    when their module is imported later.
+    when their module is imported later. ``sites`` are the graph breaks the replacement removes
+    (:class:`Site`); the doctor maps a user's graph breaks to patches through them.
     """
 
-    __slots__ = ("path", "make_replacement", "fingerprints", "aliases")
+    __slots__ = ("path", "make_replacement", "fingerprints", "aliases", "sites")
 
     def __init__(
         self,
@@ -45,6 +73,7 @@ class Target(_Frozen):
         make_replacement: Callable[[Any], Any],
         fingerprints: FrozenSet[str],
         aliases: Tuple[str, ...] = (),
+        sites: Tuple[Site, ...] = (),
     ) -> None:
         if not isinstance(path, str) or ":" not in path:
             raise ValueError(f"target path {path!r} must be a str 'module:qualname'")
@@ -58,8 +87,12 @@ class Target(_Frozen):
                 raise ValueError(f"alias {alias!r} must be 'module:attribute'")
         if not fingerprints:
             raise ValueError(f"target {path!r} needs at least one verified fingerprint")
+        if isinstance(sites, Site):
+            sites = (sites,)
+        if isinstance(sites, (str, bytes, bytearray)) or not all(isinstance(site, Site) for site in sites):
+            raise ValueError(f"sites of {path!r} must be a tuple of Site objects, got {sites!r}")
         self._set(path=path, make_replacement=make_replacement, fingerprints=frozenset(fingerprints),
-                  aliases=tuple(aliases))
+                  aliases=tuple(aliases), sites=tuple(site.bound_to(path) for site in sites))
 
     @property
     def module(self) -> str:

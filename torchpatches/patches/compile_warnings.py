@@ -65,11 +65,18 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
-from .._declare import Patch, Target
+from .._declare import Patch, Site, Target
 
 __all__ = ["PATCH"]
 
 _TRANSFORMERS = "diffusers.models.transformers"
+
+#: The graph breaks each target's replacement removes (the doctor maps a user's breaks through these).
+_UNEXPECTED_KWARGS = Site("logger.warning", "attention kwargs the processor does not take ('... are not expected by')")
+_LORA_SCALE = Site(
+    "logger.warning", "`scale` in the attention kwargs without the PEFT backend",
+    function="diffusers.utils.peft_utils:apply_lora_scale",
+)
 
 
 def _module_logger(module_name: str) -> Any:
@@ -174,51 +181,61 @@ PATCH = Patch(
             f"{_TRANSFORMERS}.transformer_flux:FluxAttention.forward",
             make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux"),
             fingerprints=frozenset({"d12ce2e9a0852e06"}),  # diffusers 0.37.0-0.42.1
+            sites=(_UNEXPECTED_KWARGS,),
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux:FluxTransformer2DModel.forward",
             make_replacement=_lora_forward(f"{_TRANSFORMERS}.transformer_flux"),
             fingerprints=frozenset({"1a7391906fba711b"}),  # diffusers 0.39.0-0.42.1 (@apply_lora_scale wrapper + forward)
+            sites=(Site("logger.warning", "3-D `img_ids`/`txt_ids` (deprecated form)"), _LORA_SCALE),
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux2:Flux2Attention.forward",
             make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux2"),
             fingerprints=frozenset({"7c05eda1d782aa24"}),  # diffusers 0.37.0-0.42.1
+            sites=(_UNEXPECTED_KWARGS,),
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux2:Flux2ParallelSelfAttention.forward",
             make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux2"),
             fingerprints=frozenset({"7d9744609d245c93"}),  # diffusers 0.37.0-0.42.1
+            sites=(_UNEXPECTED_KWARGS,),
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_flux2:Flux2Transformer2DModel.forward",
             make_replacement=_lora_forward(None),
             fingerprints=frozenset({"cbc1f47e20a2c806"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
+            sites=(_LORA_SCALE,),
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_sd3:SD3Transformer2DModel.forward",
             make_replacement=_lora_forward(None),
             fingerprints=frozenset({"d3bb78d8d615204e"}),  # diffusers 0.40.0-0.42.1 (wrapper + forward)
+            sites=(_LORA_SCALE,),
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_qwenimage:QwenImageTransformer2DModel.forward",
             make_replacement=_lora_forward(None),
             fingerprints=frozenset({"4f954edbab4b5b54"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
+            sites=(_LORA_SCALE,),
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_wan:WanTransformer3DModel.forward",
             make_replacement=_lora_forward(None),
             fingerprints=frozenset({"8eb2cf7cb3c02083"}),  # diffusers 0.40.0-0.42.1 (wrapper + forward)
+            sites=(_LORA_SCALE,),
         ),
         Target(
             f"{_TRANSFORMERS}.transformer_hunyuan_video:HunyuanVideoTransformer3DModel.forward",
             make_replacement=_lora_forward(None),
             fingerprints=frozenset({"afe0aaa4cdd988b3"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
+            sites=(_LORA_SCALE,),
         ),
         Target(
             "diffusers.models.attention_processor:Attention.forward",
             make_replacement=_rebind_logger("diffusers.models.attention_processor"),
             fingerprints=frozenset({"d3822449559212cb"}),  # diffusers 0.37.0-0.42.1
+            sites=(_UNEXPECTED_KWARGS,),
         ),
         Target(
             "diffusers.models.attention_dispatch:dispatch_attention_fn",
@@ -227,12 +244,14 @@ PATCH = Patch(
                 "cd20137f05eb6b2b",  # diffusers 0.42.0, 0.42.1
                 "39d8d5983a78d41b",  # diffusers 0.38.0-0.41.0: `AttentionBackendName(backend)` unconditionally
             }),
+            sites=(Site("logger.warning", "DIFFUSERS_ATTN_CHECKS=1 with arguments the backend does not take"),),
             aliases=_DISPATCH_ALIASES,
         ),
         Target(
             "diffusers.models.attention:FeedForward.forward",
             make_replacement=_feed_forward,
             fingerprints=frozenset({"2534be46672c7017"}),  # diffusers 0.35.0-0.42.1
+            sites=(Site("deprecate", "extra arguments (`scale=`) to FeedForward"),),
         ),
     ),
     requires={"diffusers": ">=0.40,<0.43", "torch": ">=2.11"},
