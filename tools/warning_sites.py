@@ -227,8 +227,47 @@ class _Index:
         return any(key.endswith(f":{base_name}") for key in self.mro(cls_key))
 
 
+def _mentions_is_compiling(node: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
+        and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) in ("is_compiling", "is_dynamo_compiling")
+        for n in ast.walk(node)
+    )
+
+
+def _dead_under_compile(test: ast.AST) -> Optional[str]:
+    """Which branch of ``if test:`` Dynamo never traces: "body" for ``not is_compiling()`` (alone or
+    and-ed with other conditions), "orelse" for a bare ``is_compiling()``; None if neither."""
+    negated = lambda n: isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not) and _mentions_is_compiling(n.operand)  # noqa: E731
+    if negated(test) or (isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) and any(map(negated, test.values))):
+        return "body"
+    if isinstance(test, ast.Call) and _mentions_is_compiling(test):
+        return "orelse"
+    return None
+
+
+def _walk_live(node: ast.AST) -> Iterator[ast.AST]:
+    """``ast.walk`` without the branches Dynamo never traces (``if not torch.compiler.is_compiling():``)."""
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        yield current
+        if isinstance(current, ast.If):
+            dead = _dead_under_compile(current.test)
+            todo.append(current.test)
+            if dead != "body":
+                todo.extend(current.body)
+            if dead != "orelse":
+                todo.extend(current.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(current))
+
+
+_LIVE_ONLY = True  # scan() switches it off to list every site of a module (dead branches included)
+
+
 def _calls(node: ast.AST) -> Iterator[ast.Call]:
-    for child in ast.walk(node):
+    for child in (_walk_live(node) if _LIVE_ONLY else ast.walk(node)):
         if isinstance(child, ast.Call):
             yield child
 
@@ -253,7 +292,7 @@ def _annotations(node: ast.AST) -> Set[int]:
 def _names(node: ast.AST) -> Iterator[ast.AST]:
     """Names and attribute chains read at runtime (annotations left out)."""
     skip = _annotations(node)
-    for child in ast.walk(node):
+    for child in (_walk_live(node) if _LIVE_ONLY else ast.walk(node)):
         if id(child) in skip:
             continue
         if isinstance(child, (ast.Name, ast.Attribute)) and isinstance(getattr(child, "ctx", None), ast.Load):
@@ -293,7 +332,8 @@ def _chain(parents: Dict[str, str], key: str) -> List[str]:
 
 @dataclasses.dataclass
 class Inventory:
-    sites: List[Site]
+    sites: List[Site]  # reachable from forward (``function`` is the function a patch must replace)
+    elsewhere: List[Site]  # in transformer modules but not reached from forward (construction time)
     reachable: Set[str]  # function keys
     roots: List[str]
 
@@ -310,10 +350,9 @@ def scan(diffusers_root: Optional[str] = None, subpackage: str = "models.transfo
     for module in sorted(index.paths):
         if module.startswith(prefix):
             index.load(module)
-    models = [
-        key for key, cls in index.classes.items()
-        if cls.module.startswith(prefix) and index.derives_from(key, "ModelMixin")
-    ]
+    # Every class defined in a transformer module: the models, and the blocks / attention modules /
+    # processors they are built from or that loaders and users set (``set_attn_processor``).
+    models = [key for key, cls in index.classes.items() if cls.module.startswith(prefix)]
 
     # Phase 1: the classes a model is built from -- whatever its __init__ (transitively) refers to,
     # plus class attributes (``_default_processor_cls = FluxAttnProcessor``).
@@ -365,6 +404,8 @@ def scan(diffusers_root: Optional[str] = None, subpackage: str = "models.transfo
             if found and found not in roots:
                 roots.append(found)
     reachable: Dict[str, str] = {}  # function -> the function that reaches it ("" for a root)
+    decorated: Dict[str, str] = {}  # decorator function -> a reachable function it wraps
+    sites: Set[Site] = set()
     todo2 = [(root, "") for root in roots]
     while todo2:
         fkey, parent = todo2.pop()
@@ -374,49 +415,88 @@ def scan(diffusers_root: Optional[str] = None, subpackage: str = "models.transfo
         via = fkey
         function = index.functions[fkey]
         module, node = function.module, function.node
-        called = {id(call.func) for call in _calls(node)}
-        for expr in _names(node):
-            found = index._resolve_expr(module, expr)
-            if found in index.functions:  # called, or passed on (to checkpointing, a hook)
-                todo2.append((found, via))
-            elif found in index.classes and id(expr) in called:  # built in forward: it is constructed, then run
-                for name in ("__new__", "__init__", *ENTRY_METHODS):
-                    method = index.method(found, name)
-                    if method:
-                        todo2.append((method, via))
-        for call in _calls(node):
-            func = call.func
-            if not isinstance(func, ast.Attribute):
-                continue
-            owner = func.value
-            if isinstance(owner, ast.Name) and owner.id in ("self", "cls") and function.cls:
-                found = index.method(function.cls, func.attr)
-                if found:
+        decorators = getattr(node, "decorator_list", [])
+        for decorator in decorators:  # its wrapper runs at call time: its sites belong to this function
+            target = decorator.func if isinstance(decorator, ast.Call) else decorator
+            found = index._resolve_expr(module, target)
+            if found in index.functions:
+                sites.update(_sites_in(index, diffusers_root, found, fkey, nested_only=True, via=parent))
+        body = [n for n in ast.iter_child_nodes(node) if n not in decorators]
+        sites.update(_sites_in(index, diffusers_root, fkey, fkey, nested_only=False, via=parent))
+        called = {id(call.func) for part in body for call in _calls(part)}
+        for part in body:
+            for expr in _names(part):
+                found = index._resolve_expr(module, expr)
+                if found == DEPRECATE:
+                    continue  # a site itself (the call is reported where it is made), not code to follow
+                if found in index.functions:  # called, or passed on (to checkpointing, a hook)
                     todo2.append((found, via))
+                elif found in index.classes and id(expr) in called:  # built in forward: constructed, then run
+                    for name in ("__new__", "__init__", *ENTRY_METHODS):
+                        method = index.method(found, name)
+                        if method:
+                            todo2.append((method, via))
+            for call in _calls(part):
+                func = call.func
+                if not isinstance(func, ast.Attribute):
                     continue
-            if (
-                isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"
-                and function.cls
-            ):
-                found = index.method(function.cls, func.attr, skip_first=True)
-                if found:
+                owner = func.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls") and function.cls:
+                    found = index.method(function.cls, func.attr)
+                    if found:
+                        todo2.append((found, via))
+                        continue
+                if (
+                    isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super"
+                    and function.cls
+                ):
+                    found = index.method(function.cls, func.attr, skip_first=True)
+                    if found:
+                        todo2.append((found, via))
+                    continue
+                if isinstance(owner, ast.Name) and index.module_of(module, owner.id):
+                    continue  # module.function: resolved above through _names
+                for found in methods_by_name.get(func.attr, ()):  # obj.method(): by name, among components
                     todo2.append((found, via))
-                continue
-            if isinstance(owner, ast.Name) and index.module_of(module, owner.id):
-                continue  # module.function: resolved above through _names
-            for found in methods_by_name.get(func.attr, ()):  # obj.method(): by name, among components
-                todo2.append((found, via))
 
-    sites: Set[Site] = set()
-    for fkey in reachable:
-        via = " <- ".join(_chain(reachable, fkey)[1:])
-        function = index.functions[fkey]
-        path = os.path.relpath(index.files[function.module], diffusers_root)
-        for call in _calls(function.node):
+    forward = {site for site in sites}
+    # Sites in transformer modules that compiled forward code does not reach (construction time,
+    # ``if not torch.compiler.is_compiling():`` branches): listed too, so a test can insist each is
+    # accounted for.
+    global _LIVE_ONLY
+    elsewhere: Set[Site] = set()
+    _LIVE_ONLY = False
+    try:
+        for fkey, function in index.functions.items():
+            if function.module.startswith(prefix):
+                elsewhere.update(_sites_in(index, diffusers_root, fkey, fkey, nested_only=False, via=""))
+    finally:
+        _LIVE_ONLY = True
+    on_forward = {(f.file, f.line) for f in forward}
+    elsewhere = {s for s in elsewhere if (s.file, s.line) not in on_forward}
+    return Inventory(sorted(forward), sorted(elsewhere), set(reachable), roots)
+
+
+def _sites_in(index: _Index, root: str, fkey: str, owner: str, nested_only: bool, via: str) -> Set[Site]:
+    """The graph-breaking calls inside ``fkey``, attributed to ``owner`` (``nested_only``: inside its nested defs,
+    the part of a decorator that runs at call time)."""
+    function = index.functions[fkey]
+    path = os.path.relpath(index.files[function.module], root).replace(os.sep, "/")
+    found: Set[Site] = set()
+    scopes: List[ast.AST] = [function.node]
+    if nested_only:
+        scopes = [n for n in ast.walk(function.node) if n is not function.node
+                  and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))]
+    seen: Set[int] = set()
+    for scope in scopes:
+        for call in _calls(scope):
+            if id(call) in seen:
+                continue
+            seen.add(id(call))
             kind = site_call(index, function.module, call)
             if kind:
-                sites.add(Site(path.replace(os.sep, "/"), call.lineno, fkey, kind, via))
-    return Inventory(sorted(sites), set(reachable), roots)
+                found.add(Site(path, call.lineno, owner, kind, via))
+    return found
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -426,14 +506,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     inventory = scan()
     if args.json:
-        print(json.dumps([dataclasses.asdict(site) for site in inventory.sites], indent=1))
+        print(json.dumps({"forward": [dataclasses.asdict(site) for site in inventory.sites],
+                          "elsewhere": [dataclasses.asdict(site) for site in inventory.elsewhere]}, indent=1))
         return 0
     print(f"{len(inventory.roots)} forward/__call__ roots, {len(inventory.reachable)} reachable functions, "
-          f"{len(inventory.sites)} sites")
-    for site in inventory.sites:
-        print(f"{site.file}:{site.line}  {site.call:<15} {site.function.split(':', 1)[1]}")
-        if args.why:
-            print(f"      via {site.via or '(root)'}")
+          f"{len(inventory.sites)} sites reachable from forward, {len(inventory.elsewhere)} elsewhere")
+    for title, sites in (("reachable from forward", inventory.sites), ("not reached from forward", inventory.elsewhere)):
+        print(f"-- {title}")
+        for site in sites:
+            print(f"{site.file}:{site.line}  {site.call:<15} {site.function}")
+            if args.why:
+                print(f"      via {site.via or '(root)'}")
     return 0
 
 

@@ -29,14 +29,14 @@ def rebind_globals(
 ) -> types.FunctionType:
     """``func`` recompiled from its source with the global names in ``bindings`` bound to new values.
 
-    Free variables of ``func`` (closures) keep their current values unless ``bindings`` names them.
+    Free variables of ``func`` (closures) keep their current values unless ``bindings`` names them;
+    that includes the ``__class__`` cell of a method using zero-argument ``super()`` (the factory's
+    parameter named ``__class__`` is the cell the compiler makes ``super()`` read).
     ``edits`` are exact ``(old, new)`` source replacements (one line each, so line numbers hold);
     each ``old`` must occur exactly once. Decorators are not re-applied: the caller wraps the
     result as the original was wrapped.
     """
     code = func.__code__
-    if "__class__" in code.co_freevars:
-        raise TypeError(f"{func.__qualname__} uses zero-argument super(); it cannot be rebound")
     # From the code object: getsource(func) would follow __wrapped__ to the decorated function.
     source = textwrap.dedent(inspect.getsource(code))
     for old, new in edits:

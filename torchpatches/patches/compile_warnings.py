@@ -63,7 +63,7 @@ When to delete
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from .._declare import Patch, Site, Target
 
@@ -72,7 +72,6 @@ __all__ = ["PATCH"]
 _TRANSFORMERS = "diffusers.models.transformers"
 
 #: The graph breaks each target's replacement removes (the doctor maps a user's breaks through these).
-_UNEXPECTED_KWARGS = Site("logger.warning", "attention kwargs the processor does not take ('... are not expected by')")
 _LORA_SCALE = Site(
     "logger.warning", "`scale` in the attention kwargs without the PEFT backend",
     function="diffusers.utils.peft_utils:apply_lora_scale",
@@ -157,7 +156,8 @@ def _dispatch_attention(original: Any) -> Any:
     return rebind_globals(original, {"logger": logger}, edits=(_ATTN_CHECKS_EDIT,))
 
 
-def _feed_forward(original: Any) -> Any:
+def _rebind_deprecate(original: Any) -> Any:
+    """A make_replacement: the original function with ``deprecate`` made compile-safe."""
     from .._warning_sites import compile_safe_deprecate, rebind_globals
 
     deprecation_utils = sys.modules["diffusers.utils.deprecation_utils"]
@@ -173,90 +173,164 @@ def _torch_traces_sites() -> Optional[str]:
     return f"torch {torch.__version__} traces these sites itself" if torch_traces_warning_sites() else None
 
 
+def _module(name: str) -> str:
+    return name if name.startswith("diffusers.") else f"{_TRANSFORMERS}.{name}"
+
+
+# The tables below list every forward-time warning site of diffusers 0.42.1's transformer models that
+# compiled code reaches: tools/warning_sites.py finds them (an AST scan from every model's forward, through
+# blocks, attention modules and processors), tests/patches/test_compile_warnings_sites.py checks that each is
+# declared here or in NOT_COVERED, and the fingerprints are those of diffusers 0.42.1's sources.
+_UNEXPECTED = "attention kwargs the processor does not take ('... are not expected by ...')"
+_SCALE_IGNORED = "`scale` in `cross_attention_kwargs` (deprecated, ignored)"
+_MIXED_SIZES = "a batch of differently sized images (`img_shapes` / `video_fhw`)"
+_IDS_3D = "3-D `img_ids`/`txt_ids` (deprecated form)"
+_EXTRA_ARGS = "extra positional arguments or `scale=` (deprecated)"
+
+#: ``@apply_lora_scale`` forwards (their wrapper warns about ``scale`` without PEFT): (module, class,
+#: fingerprint of wrapper + forward, what the forward's own ``logger`` warns about or None).
+_LORA_FORWARDS: Tuple[Tuple[str, str, str, Optional[str]], ...] = (
+    ("ace_step_transformer", "AceStepTransformer1DModel", "bf507fdbd6a45746", None),
+    ("auraflow_transformer_2d", "AuraFlowTransformer2DModel", "0cc55264b361860e", None),
+    ("cogvideox_transformer_3d", "CogVideoXTransformer3DModel", "bae10d5d34075350", None),
+    ("consisid_transformer_3d", "ConsisIDTransformer3DModel", "c73efa7dd823ada0", None),
+    ("sana_transformer", "SanaTransformer2DModel", "19f8298b1583860c", None),
+    ("transformer_anyflow", "AnyFlowTransformer3DModel", "590c5592d2418f25", None),
+    ("transformer_anyflow_far", "AnyFlowFARTransformer3DModel", "9f360ca9c3d525d4", None),
+    ("transformer_bria", "BriaTransformer2DModel", "4d3b22327482b6f5", None),
+    ("transformer_bria_fibo", "BriaFiboTransformer2DModel", "4221587ca9280685", None),
+    ("transformer_chroma", "ChromaTransformer2DModel", "10619001a488e92a", _IDS_3D),
+    ("transformer_chronoedit", "ChronoEditTransformer3DModel", "f3745a1886bf90bd", None),
+    ("transformer_cogview4", "CogView4Transformer2DModel", "f37a63b3e97b48be", None),
+    ("transformer_flux2", "Flux2Transformer2DModel", "cbc1f47e20a2c806", None),
+    ("transformer_flux3", "Flux3Transformer2DModel", "eb9f81d0aa454c3c", None),
+    ("transformer_flux", "FluxTransformer2DModel", "1a7391906fba711b", _IDS_3D),
+    ("transformer_helios", "HeliosTransformer3DModel", "f175632efdb26241", None),
+    ("transformer_hidream_image", "HiDreamImageTransformer2DModel", "6c1fe1e5efb72294", None),
+    ("transformer_hunyuan_video15", "HunyuanVideo15Transformer3DModel", "1fc1811383ec9587", None),
+    ("transformer_hunyuan_video", "HunyuanVideoTransformer3DModel", "afe0aaa4cdd988b3", None),
+    ("transformer_hunyuan_video_framepack", "HunyuanVideoFramepackTransformer3DModel", "8dd9a4c67d90e227", None),
+    ("transformer_hunyuanimage", "HunyuanImageTransformer2DModel", "80621a0815e45e54", None),
+    ("transformer_ideogram4", "Ideogram4Transformer2DModel", "3af808a17896c5d1", None),
+    ("transformer_krea2", "Krea2Transformer2DModel", "9b25f943923544c4", None),
+    ("transformer_ltx2", "LTX2VideoTransformer3DModel", "7d1d6389aa8f084b", None),
+    ("transformer_ltx", "LTXVideoTransformer3DModel", "a33780b96f431548", None),
+    ("transformer_lumina2", "Lumina2Transformer2DModel", "20abc948bbed471a", None),
+    ("transformer_minimax_h3", "MiniMaxH3Transformer3DModel", "0e2893af52f85868", None),
+    ("transformer_mochi", "MochiTransformer3DModel", "6c75f4f98ea62d5d", None),
+    ("transformer_ovis_image", "OvisImageTransformer2DModel", "b4f18f0b38a904f9", _IDS_3D),
+    ("transformer_qwenimage21", "QwenImage21Transformer2DModel", "2b0c75f3ef0d3bf6", None),
+    ("transformer_qwenimage", "QwenImageTransformer2DModel", "4f954edbab4b5b54", None),
+    ("transformer_rfd4_proteina", "RFD4ProteinaTransformer", "7b0fe8b7f8f1f3e2", None),
+    ("transformer_sana_video", "SanaVideoTransformer3DModel", "3be4b6c918c4af1c", None),
+    ("transformer_sana_wm_refiner", "SanaWMLTX2RefinerTransformer3DModel", "c9463101de786cf4", None),
+    ("transformer_sd3", "SD3Transformer2DModel", "d3bb78d8d615204e", None),
+    ("transformer_skyreels_v2", "SkyReelsV2Transformer3DModel", "ae7d2225d2765543", None),
+    ("transformer_wan", "WanTransformer3DModel", "8eb2cf7cb3c02083", None),
+    ("transformer_wan_animate", "WanAnimateTransformer3DModel", "95bc400c19de3803", None),
+    ("transformer_wan_vace", "WanVACETransformer3DModel", "dc361b75e703ac30", None),
+    ("transformer_z_image", "ZImageTransformer2DModel", "c06c6945e543572f", None),
+)
+
+#: Functions whose own ``logger.warning`` breaks the graph: (module, qualname, fingerprint, when).
+_LOGGER_SITES: Tuple[Tuple[str, str, str, str], ...] = (
+    ("diffusers.models.attention", "BasicTransformerBlock.forward", "9cfc6111a7fd5580", _SCALE_IGNORED),
+    ("diffusers.models.attention_processor", "Attention.forward", "d3822449559212cb", _UNEXPECTED),
+    ("transformer_2d", "Transformer2DModel.forward", "7a3829f24ddbfdf3", _SCALE_IGNORED),
+    ("transformer_2d_dreamlite", "BasicTransformerBlockDreamLite.forward", "0e9a4641f8cc0075", _SCALE_IGNORED),
+    ("transformer_2d_dreamlite", "DreamLiteTransformer2DModel.forward", "3c78e93d6dbfd296", _SCALE_IGNORED),
+    ("transformer_bria", "BriaAttention.forward", "492c7eeb65bc6a4e", _UNEXPECTED),
+    ("transformer_bria_fibo", "BriaFiboAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
+    ("transformer_ernie_image", "ErnieImageAttention.forward", "9c90a5d96b592148", _UNEXPECTED),
+    ("transformer_flux2", "Flux2Attention.forward", "7c05eda1d782aa24", _UNEXPECTED),
+    ("transformer_flux2", "Flux2ParallelSelfAttention.forward", "7d9744609d245c93", _UNEXPECTED),
+    ("transformer_flux", "FluxAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
+    ("transformer_ideogram4", "Ideogram4Attention.forward", "9e82e6282931f899", _UNEXPECTED),
+    ("transformer_joyimage", "JoyImageAttention.forward", "1c9c639e98522c44", _UNEXPECTED),
+    ("transformer_kandinsky", "Kandinsky5Attention.forward", "8f52656e6317b9d2", _UNEXPECTED),
+    ("transformer_krea2", "Krea2Attention.forward", "9e82e6282931f899", _UNEXPECTED),
+    ("transformer_longcat_image", "LongCatImageAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
+    ("transformer_ltx2", "LTX2Attention.forward", "f6a037079b264fd9", _UNEXPECTED),
+    ("transformer_ltx", "LTXAttention.forward", "1ea4c82063363893", _UNEXPECTED),
+    ("transformer_motif_video", "MotifVideoAttention.forward", "7c05eda1d782aa24", _UNEXPECTED),
+    ("transformer_motif_video", "MotifVideoTransformer3DModel.forward", "07fa6be52ee7dad3", "`scale` in the attention kwargs without the PEFT backend"),
+    ("transformer_nucleusmoe_image", "NucleusMoEEmbedRope.forward", "d002802563c8a936", _MIXED_SIZES),
+    ("transformer_ovis_image", "OvisImageAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
+    ("transformer_qwenimage", "QwenEmbedLayer3DRope.forward", "e96e9709468af4d1", _MIXED_SIZES),
+    ("transformer_qwenimage", "QwenEmbedRope.forward", "b6d20a31bf7341f3", _MIXED_SIZES),
+    ("transformer_sana_wm_refiner", "SanaWMLTX2Attention.forward", "f6a037079b264fd9", _UNEXPECTED),
+)
+
+#: Functions calling ``deprecate(...)`` in forward: (module, qualname, fingerprint, when).
+_DEPRECATE_SITES: Tuple[Tuple[str, str, str, str], ...] = (
+    ("diffusers.models.activations", "GEGLU.forward", "dc945fffaaaf023e", _EXTRA_ARGS),
+    ("diffusers.models.attention", "FeedForward.forward", "2534be46672c7017", _EXTRA_ARGS),
+    ("diffusers.models.attention_processor", "AttnProcessor.__call__", "372459933681be64", _EXTRA_ARGS),
+    ("diffusers.models.attention_processor", "AttnProcessor2_0.__call__", "d5a292e89ccd77a2", _EXTRA_ARGS),
+    ("transformer_2d", "Transformer2DModelOutput.__init__", "31f248c266ad4d7a", "`return_dict=True` in DreamLite (it builds the deprecated `transformer_2d.Transformer2DModelOutput`)"),
+)
+
+#: Warning sites in transformer modules that compiled code never reaches, so they break no graph:
+#: (module, qualname, call, why). The site test requires every site it finds to be patched or listed here.
+NOT_COVERED: Tuple[Tuple[str, str, str, str], ...] = (
+    ("transformer_2d", "Transformer2DModel.__init__", "deprecate", "construction time (`norm_type` combination)"),
+    ("transformer_sana_wm", "SanaWMTransformer3DModel.__init__", "logger.info", "construction time"),
+    ("transformer_wan", "WanAttnProcessor2_0.__new__", "deprecate",
+     "construction time: the deprecated processor name builds a `WanAttnProcessor` before anything is compiled"),
+    ("transformer_chronoedit", "WanAttnProcessor2_0.__new__", "deprecate", "construction time (as Wan's)"),
+    ("transformer_skyreels_v2", "SkyReelsV2AttnProcessor2_0.__new__", "deprecate", "construction time (as Wan's)"),
+    ("transformer_ltx", "LTXVideoAttentionProcessor2_0.__new__", "deprecate", "construction time (as Wan's)"),
+    ("transformer_kandinsky6_sr", "_warn_uncompiled_flex_attention", "logger.warning",
+     "called only under `if not torch.compiler.is_compiling()`: Dynamo never traces it"),
+    ("transformer_qwenimage21", "QwenImage21FlexAttnProcessor.__call__", "logger.warning",
+     "under `if ... not torch.compiler.is_compiling()`: Dynamo never traces it"),
+)
+
+
+def _targets() -> Tuple[Target, ...]:
+    targets = []
+    for module, cls, fingerprint, own_warning in _LORA_FORWARDS:
+        sites = (_LORA_SCALE, Site("logger.warning", own_warning)) if own_warning else (_LORA_SCALE,)
+        targets.append(Target(
+            f"{_module(module)}:{cls}.forward",
+            make_replacement=_lora_forward(_module(module) if own_warning else None),
+            fingerprints=frozenset({fingerprint}),
+            sites=sites,
+        ))
+    for module, qualname, fingerprint, when in _LOGGER_SITES:
+        targets.append(Target(
+            f"{_module(module)}:{qualname}",
+            make_replacement=_rebind_logger(_module(module)),
+            fingerprints=frozenset({fingerprint}),
+            sites=(Site("logger.warning", when),),
+        ))
+    for module, qualname, fingerprint, when in _DEPRECATE_SITES:
+        targets.append(Target(
+            f"{_module(module)}:{qualname}",
+            make_replacement=_rebind_deprecate,
+            fingerprints=frozenset({fingerprint}),
+            sites=(Site("deprecate", when),),
+        ))
+    targets.append(Target(
+        "diffusers.models.attention_dispatch:dispatch_attention_fn",
+        make_replacement=_dispatch_attention,
+        fingerprints=frozenset({
+            "cd20137f05eb6b2b",  # diffusers 0.42.0, 0.42.1
+            "39d8d5983a78d41b",  # diffusers 0.38.0-0.41.0: `AttentionBackendName(backend)` unconditionally
+        }),
+        aliases=_DISPATCH_ALIASES,
+        sites=(Site("logger.warning", "DIFFUSERS_ATTN_CHECKS=1 with arguments the backend does not take"),),
+    ))
+    return tuple(targets)
+
+
 PATCH = Patch(
     name="compile_warnings",
-    summary="diffusers' forward-time warnings (FLUX.1/.2, SD3, QwenImage, Wan, HunyuanVideo) without graph breaks",
-    targets=(
-        Target(
-            f"{_TRANSFORMERS}.transformer_flux:FluxAttention.forward",
-            make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux"),
-            fingerprints=frozenset({"d12ce2e9a0852e06"}),  # diffusers 0.37.0-0.42.1
-            sites=(_UNEXPECTED_KWARGS,),
-        ),
-        Target(
-            f"{_TRANSFORMERS}.transformer_flux:FluxTransformer2DModel.forward",
-            make_replacement=_lora_forward(f"{_TRANSFORMERS}.transformer_flux"),
-            fingerprints=frozenset({"1a7391906fba711b"}),  # diffusers 0.39.0-0.42.1 (@apply_lora_scale wrapper + forward)
-            sites=(Site("logger.warning", "3-D `img_ids`/`txt_ids` (deprecated form)"), _LORA_SCALE),
-        ),
-        Target(
-            f"{_TRANSFORMERS}.transformer_flux2:Flux2Attention.forward",
-            make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux2"),
-            fingerprints=frozenset({"7c05eda1d782aa24"}),  # diffusers 0.37.0-0.42.1
-            sites=(_UNEXPECTED_KWARGS,),
-        ),
-        Target(
-            f"{_TRANSFORMERS}.transformer_flux2:Flux2ParallelSelfAttention.forward",
-            make_replacement=_rebind_logger(f"{_TRANSFORMERS}.transformer_flux2"),
-            fingerprints=frozenset({"7d9744609d245c93"}),  # diffusers 0.37.0-0.42.1
-            sites=(_UNEXPECTED_KWARGS,),
-        ),
-        Target(
-            f"{_TRANSFORMERS}.transformer_flux2:Flux2Transformer2DModel.forward",
-            make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"cbc1f47e20a2c806"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
-            sites=(_LORA_SCALE,),
-        ),
-        Target(
-            f"{_TRANSFORMERS}.transformer_sd3:SD3Transformer2DModel.forward",
-            make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"d3bb78d8d615204e"}),  # diffusers 0.40.0-0.42.1 (wrapper + forward)
-            sites=(_LORA_SCALE,),
-        ),
-        Target(
-            f"{_TRANSFORMERS}.transformer_qwenimage:QwenImageTransformer2DModel.forward",
-            make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"4f954edbab4b5b54"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
-            sites=(_LORA_SCALE,),
-        ),
-        Target(
-            f"{_TRANSFORMERS}.transformer_wan:WanTransformer3DModel.forward",
-            make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"8eb2cf7cb3c02083"}),  # diffusers 0.40.0-0.42.1 (wrapper + forward)
-            sites=(_LORA_SCALE,),
-        ),
-        Target(
-            f"{_TRANSFORMERS}.transformer_hunyuan_video:HunyuanVideoTransformer3DModel.forward",
-            make_replacement=_lora_forward(None),
-            fingerprints=frozenset({"afe0aaa4cdd988b3"}),  # diffusers 0.39.0-0.42.1 (wrapper + forward)
-            sites=(_LORA_SCALE,),
-        ),
-        Target(
-            "diffusers.models.attention_processor:Attention.forward",
-            make_replacement=_rebind_logger("diffusers.models.attention_processor"),
-            fingerprints=frozenset({"d3822449559212cb"}),  # diffusers 0.37.0-0.42.1
-            sites=(_UNEXPECTED_KWARGS,),
-        ),
-        Target(
-            "diffusers.models.attention_dispatch:dispatch_attention_fn",
-            make_replacement=_dispatch_attention,
-            fingerprints=frozenset({
-                "cd20137f05eb6b2b",  # diffusers 0.42.0, 0.42.1
-                "39d8d5983a78d41b",  # diffusers 0.38.0-0.41.0: `AttentionBackendName(backend)` unconditionally
-            }),
-            sites=(Site("logger.warning", "DIFFUSERS_ATTN_CHECKS=1 with arguments the backend does not take"),),
-            aliases=_DISPATCH_ALIASES,
-        ),
-        Target(
-            "diffusers.models.attention:FeedForward.forward",
-            make_replacement=_feed_forward,
-            fingerprints=frozenset({"2534be46672c7017"}),  # diffusers 0.35.0-0.42.1
-            sites=(Site("deprecate", "extra arguments (`scale=`) to FeedForward"),),
-        ),
-    ),
+    summary="diffusers' forward-time warnings (every transformer model of 0.42.x) without graph breaks",
+    targets=_targets(),
     requires={"diffusers": ">=0.40,<0.43", "torch": ">=2.11"},
     verifies={  # code the replacements rely on but do not replace
-        # the @apply_lora_scale wrapper (peft_utils.py:305-330), rebuilt for every LoRA forward above
+        # the @apply_lora_scale wrapper (peft_utils.py:305-330), rebuilt for every LoRA forward in _LORA_FORWARDS
         "diffusers.utils.peft_utils:apply_lora_scale": frozenset({"775c02085a619be9"}),  # 0.37.0-0.42.1
         # deprecate() is called by the compile-safe stand-in in eager and reimplemented under compile
         "diffusers.utils.deprecation_utils:deprecate": frozenset({"0fe3954a5404817c"}),  # 0.37.0-0.42.1
