@@ -1,0 +1,362 @@
+"""torchpatches.doctor and `python -m torchpatches doctor`: graph breaks mapped to patches, recompiles, fullgraph.
+
+The FLUX.1 case is ground truth in the sense the issue asks for: the doctor runs the model with every patch
+reverted and with them applied, and must find exactly the two breaks compile_warnings removes.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+
+import torchpatches
+from torchpatches import _capture, _doctor
+from torchpatches._declare import Site
+from torchpatches._sites import DeclaredSite
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = Path(__file__).read_text().splitlines()
+
+
+def _line_of(marker: str) -> int:
+    return next(n for n, line in enumerate(SOURCE, 1) if line.rstrip().endswith(f"# {marker}"))
+
+
+def _graph_breaks_module() -> Any:
+    spec = importlib.util.spec_from_file_location("graph_breaks", ROOT / "benchmarks" / "graph_breaks.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["graph_breaks"] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _quiet() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in ("diffusers", "torch._dynamo")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    for logger, level in zip(loggers, levels):
+        logger.setLevel(level)
+    torch._dynamo.reset()
+
+
+class ItemBranch(torch.nn.Module):
+    """A user-written data-dependent branch: a graph break no patch covers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if y.sum().item() > 0:  # ITEM
+            y = y * 2
+        return y.relu()
+
+
+class Plain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # FORWARD
+        return self.lin(x).relu()
+
+
+def _row_keys(rows: List[Dict[str, Any]]) -> List[Tuple[Any, ...]]:
+    return sorted((Path(r["file"]).name, r["line"], r["reason"], r["status"], r["fixed_by"]) for r in rows)
+
+
+# ---- FLUX.1 with 3-D ids: two breaks, both fixed by compile_warnings ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def flux_report() -> "_doctor.DoctorReport":
+    pytest.importorskip("diffusers")
+    graph_breaks = _graph_breaks_module()
+    with torch.no_grad():
+        report = torchpatches.doctor(graph_breaks._flux(), **graph_breaks._flux_inputs(ids_3d=True)())
+    torch._dynamo.reset()
+    return report
+
+
+def test_flux_3d_ids_two_breaks_both_fixed(flux_report: "_doctor.DoctorReport") -> None:
+    rows = [(Path(r.file).name, r.line, r.status, r.fixed_by) for r in flux_report.breaks]
+    assert rows == [
+        ("transformer_flux.py", 737, "fixed", "compile_warnings"),
+        ("transformer_flux.py", 743, "fixed", "compile_warnings"),
+    ]
+    assert {r.reason for r in flux_report.breaks} == {"logging.Logger method not supported for non-export cases"}
+    assert {r.function for r in flux_report.breaks} == {"FluxTransformer2DModel.forward"}
+    assert flux_report.remaining == [] and flux_report.exit_code == 0
+    assert flux_report.fullgraph_ok is True
+    assert flux_report.graphs == {"without_patches": 3, "with_patches": 1}
+    assert flux_report.recompiles == []
+
+
+def test_flux_report_json_schema(flux_report: "_doctor.DoctorReport") -> None:
+    data = json.loads(json.dumps(flux_report.to_json()))
+    assert data["schema"] == "torchpatches.doctor/1"
+    assert {"breaks", "recompiles", "fullgraph_ok", "patches", "graphs", "exit_code"} <= set(data)
+    for row in data["breaks"]:
+        assert {"file", "line", "reason", "fixed_by", "status", "function", "stack"} <= set(row)
+    assert data["patches"]["compile_warnings"]["state"] == "applied"
+
+
+def test_flux_table_names_the_patch(flux_report: "_doctor.DoctorReport") -> None:
+    text = str(flux_report)
+    assert "transformer_flux.py:737" in text and "fixed by compile_warnings" in text
+    assert "fullgraph=True: compiles (tried)" in text
+    assert "compile_warnings  applied" in text  # the status table is part of the report
+
+
+def test_flux_fixable_when_the_patch_is_disabled() -> None:
+    pytest.importorskip("diffusers")
+    graph_breaks = _graph_breaks_module()
+    with torch.no_grad(), torchpatches.disabled("compile_warnings"):
+        report = torchpatches.doctor(graph_breaks._flux(), **graph_breaks._flux_inputs(ids_3d=True)())
+        assert torchpatches.status()["compile_warnings"].state.value == "disabled"  # the doctor left it off
+    assert [(r.line, r.status, r.fixable_by) for r in report.breaks] == [
+        (737, "fixable", "compile_warnings"), (743, "fixable", "compile_warnings"),
+    ]
+    assert all("disabled" in r.why for r in report.breaks)
+    assert report.exit_code == 1 and report.fullgraph_ok is False
+
+
+# ---- a user's own break, not covered ----------------------------------------------------------------------
+
+
+def test_item_branch_is_open_with_a_hint() -> None:
+    report = torchpatches.doctor(ItemBranch(), torch.ones(2, 4))
+    assert [(os.path.realpath(r.file), r.line, r.status, r.fixed_by) for r in report.breaks] == [
+        (os.path.realpath(__file__), _line_of("ITEM"), "open", None)
+    ]
+    row = report.breaks[0]
+    assert "item()" in row.reason and row.function == "ItemBranch.forward"
+    assert "capture_scalar_outputs" in row.hint
+    assert report.fullgraph_ok is False and report.fullgraph_error
+    assert report.exit_code == 1
+    assert "hint for" in str(report)
+
+
+# ---- recompiles -------------------------------------------------------------------------------------------
+
+
+def test_recompile_on_a_new_batch_size() -> None:
+    compiled = torch.compile(Plain(), backend="eager")
+
+    def workload() -> None:
+        compiled(torch.randn(1, 4))
+        compiled(torch.randn(3, 4))
+
+    report = torchpatches.doctor(workload)
+    assert len(report.recompiles) == 1
+    row = report.recompiles[0]
+    assert (os.path.realpath(row.file), row.line) == (os.path.realpath(__file__), _line_of("FORWARD"))
+    assert row.function == "Plain.forward"
+    assert "size mismatch at index 0" in row.reason and "expected 1, actual 3" in row.reason
+    assert "mark_dynamic" in row.remedy and "dynamic=True" in row.remedy
+    assert report.breaks == [] and report.exit_code == 0 and report.fullgraph_ok is True
+
+
+def test_marked_dynamic_does_not_recompile() -> None:
+    compiled = torch.compile(Plain(), backend="eager")
+
+    def workload() -> None:
+        first = torch.randn(2, 4)  # not 1: Dynamo specializes sizes 0 and 1 even when marked
+        torch._dynamo.mark_dynamic(first, 0)
+        compiled(first)
+        compiled(torch.randn(3, 4))
+
+    assert torchpatches.doctor(workload).recompiles == []
+
+
+# ---- the CLI agrees with the API --------------------------------------------------------------------------
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-m", "torchpatches", "doctor", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_cli_and_api_agree_on_flux(tmp_path: Path, flux_report: "_doctor.DoctorReport") -> None:
+    script = tmp_path / "flux_3d.py"
+    script.write_text(textwrap.dedent(f"""
+        import importlib.util, sys
+        import torch
+        spec = importlib.util.spec_from_file_location("graph_breaks", {str(ROOT / 'benchmarks' / 'graph_breaks.py')!r})
+        graph_breaks = importlib.util.module_from_spec(spec); sys.modules["graph_breaks"] = graph_breaks
+        spec.loader.exec_module(graph_breaks)
+        compiled = torch.compile(graph_breaks._flux(), backend="eager")
+        with torch.no_grad():
+            compiled(**graph_breaks._flux_inputs(ids_3d=True)())
+        print("the script's own output")
+    """))
+    done = _cli("--json", str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(done.stdout)  # the script's prints went to stderr
+    assert "the script's own output" in done.stderr
+    assert _row_keys(data["breaks"]) == _row_keys(flux_report.to_json()["breaks"])
+    assert data["fullgraph_ok"] is True and data["graphs"] == flux_report.graphs
+
+    table = _cli(str(script), cwd=tmp_path)
+    assert table.returncode == 0 and "fixed by compile_warnings" in table.stdout
+
+
+def test_cli_exit_codes(tmp_path: Path) -> None:
+    script = tmp_path / "item.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from test_doctor import ItemBranch
+        torch.compile(ItemBranch(), backend="eager")(torch.ones(2, int(sys.argv[1])))
+    """))
+    done = _cli("--json", str(script), "4", cwd=tmp_path)  # "4" reaches the script as sys.argv[1]
+    assert done.returncode == 1, done.stderr[-3000:]
+    data = json.loads(done.stdout)
+    api = torchpatches.doctor(ItemBranch(), torch.ones(2, 4))
+    assert _row_keys(data["breaks"]) == _row_keys(api.to_json()["breaks"])
+    assert data["exit_code"] == 1 and data["breaks"][0]["hint"]
+
+    assert _cli(str(tmp_path / "missing.py"), cwd=tmp_path).returncode == 2
+    assert _cli(cwd=tmp_path).returncode == 2
+    assert _cli("--bogus", str(script), cwd=tmp_path).returncode == 2
+
+
+def test_cli_reports_a_failing_script(tmp_path: Path) -> None:
+    script = tmp_path / "boom.py"
+    script.write_text("raise RuntimeError('boom')\n")
+    done = _cli("--json", "--no-fullgraph", str(script), cwd=tmp_path)
+    data = json.loads(done.stdout)
+    assert data["errors"] == {"without_patches": "RuntimeError: boom", "with_patches": "RuntimeError: boom"}
+    assert data["fullgraph_ok"] is None and done.returncode == 1
+
+
+# ---- classification, without compiling ---------------------------------------------------------------------
+
+
+def _break(file: str, line: int, reason: str = "logging.Logger method not supported", stack: Any = None) -> _capture.GraphBreak:
+    frames = stack or (_capture.Frame(file, line, "forward"),)
+    return _capture.GraphBreak(file, line, "forward", reason, "", (), "", tuple(frames), reason)
+
+
+def _captured(*events: _capture.GraphBreak) -> _capture.Capture:
+    result = _capture.Capture()
+    result.breaks.extend(events)
+    return result
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Tuple[str, str]:
+    """A module with one logger.warning site, imported, and a patch declaring it."""
+    path = tmp_path / "tp_doctor_site.py"
+    path.write_text("import logging\nlogger = logging.getLogger()\ndef f(x):\n    logger.warning('x')\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tp_doctor_site  # noqa: F401
+
+    yield str(path), "tp_doctor_site:f"
+    sys.modules.pop("tp_doctor_site", None)
+
+
+def _status(state: str, target_state: str = "applied", reason: str = "r") -> Any:
+    from types import SimpleNamespace
+
+    class _State:
+        def __init__(self, value: str) -> None:
+            self.value = value
+
+    target = SimpleNamespace(path="tp_doctor_site:f", state=_State(target_state), reason=reason)
+    return {"p": SimpleNamespace(state=_State(state), reason=reason, targets=(target,))}
+
+
+def test_rows_fixed_fixable_open_and_drift(user_module: Tuple[str, str]) -> None:
+    path, function = user_module
+    sites = [DeclaredSite("p", function, Site("logger.warning", "when x", function=function))]
+    site_break, other = _break(path, 4), _break(path, 5, "Unsupported Tensor.item() call")
+
+    fixed = _doctor._rows(_captured(site_break, other), _captured(other), _status("applied"), sites)
+    assert [(r.line, r.status, r.fixed_by) for r in fixed] == [(5, "open", None), (4, "fixed", "p")]
+
+    fixable = _doctor._rows(_captured(site_break), _captured(site_break), _status("disabled", "disabled", "off"), sites)
+    assert [(r.status, r.fixable_by, r.why) for r in fixable] == [("fixable", "p", "p is disabled: off")]
+
+    drift = _doctor._rows(_captured(site_break), _captured(site_break), _status("applied"), sites)
+    assert drift[0].status == "open" and "still breaks" in drift[0].why
+
+    undeclared = _doctor._rows(_captured(other), _captured(), _status("applied"), sites)
+    assert undeclared[0].status == "fixed" and undeclared[0].fixed_by is None
+
+    # A break below the site (inside the called logger) is matched through the traced stack.
+    deep = _break("/elsewhere/logging.py", 99, stack=(_capture.Frame(path, 4, "f"), _capture.Frame("/elsewhere/logging.py", 99, "warning")))
+    assert _doctor._rows(_captured(deep), _captured(), _status("applied"), sites)[0].fixed_by == "p"
+
+
+@pytest.mark.parametrize(
+    "reason, expected",
+    [
+        ("0/0: tensor 'x' size mismatch at index 0. expected 1, actual 3", "mark_dynamic(tensor, 0)"),
+        ("tensor 'x' stride mismatch at index 0", "contiguous"),
+        ("tensor 'x' dtype mismatch. expected Float, actual Half", "dtype"),
+        ("___check_obj_id(L['self'], 1234)", "different object"),
+        ("L['n'] == 3", "Python int/float"),
+        ("len(L['xs']) == 2", "length"),
+        ("something new", "recompiles_verbose"),
+    ],
+)
+def test_remedies(reason: str, expected: str) -> None:
+    assert expected in _doctor._remedy(_doctor._clean_reason(reason))
+
+
+# ---- capture degrades instead of raising --------------------------------------------------------------------
+
+
+def test_capture_notes_a_moved_internal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._dynamo import convert_frame, symbolic_convert
+
+    def log_graph_break(self: Any, reason: Any) -> None:  # another signature
+        return None
+
+    monkeypatch.setattr(symbolic_convert.InstructionTranslatorBase, "log_graph_break", log_graph_break)
+    monkeypatch.delattr(convert_frame, "get_and_maybe_log_recompilation_reasons")
+    with _capture.capture() as captured:
+        torch.compile(Plain(), backend="eager")(torch.ones(1, 4))
+    assert any("graph breaks not captured" in note for note in captured.notes)
+    assert any("recompiles not captured" in note for note in captured.notes)
+    assert symbolic_convert.InstructionTranslatorBase.log_graph_break is log_graph_break  # not left hooked
+
+
+def test_capture_restores_dynamo() -> None:
+    from torch._dynamo import convert_frame, symbolic_convert
+
+    before = (symbolic_convert.InstructionTranslatorBase.log_graph_break, convert_frame.get_and_maybe_log_recompilation_reasons)
+    with _capture.capture():
+        with _capture.capture():
+            pass
+        assert symbolic_convert.InstructionTranslatorBase.log_graph_break is not before[0]
+    after = (symbolic_convert.InstructionTranslatorBase.log_graph_break, convert_frame.get_and_maybe_log_recompilation_reasons)
+    assert after == before
+
+
+def test_import_does_not_load_the_doctor() -> None:
+    code = "import sys, torchpatches; print([m for m in ('torchpatches._doctor', 'torchpatches._capture', 'torchpatches._sites') if m in sys.modules])"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
