@@ -33,6 +33,8 @@ def explain_counts(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[str, 
         "fullgraph": report.fullgraph,
         "reasons": list(report.reasons),
         "fullgraph_error": report.error,
+        # where Dynamo broke the graph, as the doctor captures it (explain does not count some of these)
+        "sites": [f"{name}:{line}" for name, line in report.break_sites],
     }
 
 
@@ -55,9 +57,15 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
             return "compile error"
         return f"{m['graphs']} / {m['breaks']} / {'yes' if m['fullgraph'] else 'no'}"
 
-    header = "| model | argument form | before: graphs / breaks / fullgraph | after: graphs / breaks / fullgraph |"
-    lines = [header, "|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['form']} | {cell(r['before'])} | {cell(r['after'])} |" for r in rows]
+    def sites(r: Dict[str, Any]) -> str:
+        return f"{len(r['before']['sites'])} → {len(r['after']['sites'])}"
+
+    header = (
+        "| model | argument form | before: graphs / breaks / fullgraph | after: graphs / breaks / fullgraph "
+        "| break sites (doctor) |"
+    )
+    lines = [header, "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['form']} | {cell(r['before'])} | {cell(r['after'])} | {sites(r)} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -79,6 +87,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for when in ("before", "after"):
                 for reason in r[when]["reasons"]:
                     print(f"  {r['model']} / {r['form']} / {when}: {reason}")
+                if r[when]["sites"]:
+                    print(f"  {r['model']} / {r['form']} / {when} sites: {', '.join(r[when]['sites'])}")
                 if r[when]["fullgraph_error"]:
                     print(f"  {r['model']} / {r['form']} / {when} fullgraph: {r[when]['fullgraph_error']}")
     if args.json:

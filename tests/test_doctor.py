@@ -5,7 +5,6 @@ reverted and with them applied, and must find exactly the two breaks compile_war
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 import torchpatches
-from torchpatches import _capture, _doctor
+from torchpatches import _capture, _doctor, testing
 from torchpatches._declare import Site
 from torchpatches._sites import DeclaredSite
 
@@ -30,14 +29,6 @@ SOURCE = Path(__file__).read_text().splitlines()
 
 def _line_of(marker: str) -> int:
     return next(n for n, line in enumerate(SOURCE, 1) if line.rstrip().endswith(f"# {marker}"))
-
-
-def _graph_breaks_module() -> Any:
-    spec = importlib.util.spec_from_file_location("graph_breaks", ROOT / "benchmarks" / "graph_breaks.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["graph_breaks"] = module
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 @pytest.fixture(autouse=True)
@@ -87,9 +78,8 @@ def _row_keys(rows: List[Dict[str, Any]]) -> List[Tuple[Any, ...]]:
 @pytest.fixture(scope="module")
 def flux_report() -> "_doctor.DoctorReport":
     pytest.importorskip("diffusers")
-    graph_breaks = _graph_breaks_module()
     with torch.no_grad():
-        report = torchpatches.doctor(graph_breaks._flux(), **graph_breaks._flux_inputs(ids_3d=True)())
+        report = torchpatches.doctor(testing.build_model("flux1"), **testing.tiny_inputs("flux1", ids_3d=True))
     torch._dynamo.reset()
     return report
 
@@ -126,9 +116,8 @@ def test_flux_table_names_the_patch(flux_report: "_doctor.DoctorReport") -> None
 
 def test_flux_fixable_when_the_patch_is_disabled() -> None:
     pytest.importorskip("diffusers")
-    graph_breaks = _graph_breaks_module()
     with torch.no_grad(), torchpatches.disabled("compile_warnings"):
-        report = torchpatches.doctor(graph_breaks._flux(), **graph_breaks._flux_inputs(ids_3d=True)())
+        report = torchpatches.doctor(testing.build_model("flux1"), **testing.tiny_inputs("flux1", ids_3d=True))
         assert torchpatches.status()["compile_warnings"].state.value == "disabled"  # the doctor left it off
     assert [(r.line, r.status, r.fixable_by) for r in report.breaks] == [
         (737, "fixable", "compile_warnings"), (743, "fixable", "compile_warnings"),
@@ -199,15 +188,12 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_cli_and_api_agree_on_flux(tmp_path: Path, flux_report: "_doctor.DoctorReport") -> None:
     script = tmp_path / "flux_3d.py"
-    script.write_text(textwrap.dedent(f"""
-        import importlib.util, sys
+    script.write_text(textwrap.dedent("""
         import torch
-        spec = importlib.util.spec_from_file_location("graph_breaks", {str(ROOT / 'benchmarks' / 'graph_breaks.py')!r})
-        graph_breaks = importlib.util.module_from_spec(spec); sys.modules["graph_breaks"] = graph_breaks
-        spec.loader.exec_module(graph_breaks)
-        compiled = torch.compile(graph_breaks._flux(), backend="eager")
+        from torchpatches import testing
+        compiled = torch.compile(testing.build_model("flux1"), backend="eager")
         with torch.no_grad():
-            compiled(**graph_breaks._flux_inputs(ids_3d=True)())
+            compiled(**testing.tiny_inputs("flux1", ids_3d=True))
         print("the script's own output")
     """))
     done = _cli("--json", str(script), cwd=tmp_path)

@@ -30,7 +30,7 @@ import importlib.util
 import json
 import os
 import sys
-from typing import Dict, FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 #: Methods of a ``logging.Logger`` (Dynamo breaks the graph on every one of them).
 LOGGER_METHODS = frozenset({"warning", "warn", "info", "debug", "error", "critical", "exception", "log"})
@@ -404,7 +404,6 @@ def scan(diffusers_root: Optional[str] = None, subpackage: str = "models.transfo
             if found and found not in roots:
                 roots.append(found)
     reachable: Dict[str, str] = {}  # function -> the function that reaches it ("" for a root)
-    decorated: Dict[str, str] = {}  # decorator function -> a reachable function it wraps
     sites: Set[Site] = set()
     todo2 = [(root, "") for root in roots]
     while todo2:

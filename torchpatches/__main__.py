@@ -83,6 +83,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
+    if args.command == "doctor":  # reached only with options before it: "--json doctor script.py"
+        parser.error("the doctor's options go after it: python -m torchpatches doctor [--json] SCRIPT [ARGS...]")
     if args.command == "demo":
         from . import _demo
 

@@ -6,7 +6,8 @@
 
 Used by the doctor and by the tiny-model test harness. Dynamo has no public API for this, so the
 capture hooks two internals for the duration of the block (and puts the originals back after it);
-read in the sources of torch 2.11.0 and 2.13.0, where both have these names and signatures:
+read in the sources of torch 2.11.0, 2.12.1, 2.13.0, 2.14.1 and 2.15.0, which all have these names and
+signatures:
 
 - graph breaks: ``torch._dynamo.symbolic_convert.InstructionTranslatorBase.log_graph_break(self,
   code_options, reason, exc)``. Every graph break Dynamo reports (``TORCH_LOGS=graph_breaks``) passes

@@ -110,6 +110,33 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4),
     )),
     "feedforward": ("FeedForward", dict(dim=16, mult=2, activation_fn="gelu-approximate")),
+    # Models whose warning sites compile_warnings covers since the whole-diffusers scan (issue 10): one
+    # per kind of site, measured before/after in tests/patches/test_compile_warnings.py.
+    "chroma": ("ChromaTransformer2DModel", dict(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 8), approximator_num_channels=8,
+        approximator_hidden_dim=32, approximator_layers=1,
+    )),
+    "ovis": ("OvisImageTransformer2DModel", dict(
+        patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 8),
+    )),
+    "auraflow": ("AuraFlowTransformer2DModel", dict(
+        sample_size=8, patch_size=2, in_channels=4, num_mmdit_layers=1, num_single_dit_layers=1,
+        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
+        out_channels=4, pos_embed_max_size=16,
+    )),
+    # PixArt-style Transformer2DModel: BasicTransformerBlock + Attention (attention_processor) + AttnProcessor2_0.
+    "pixart": ("Transformer2DModel", dict(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1,
+        cross_attention_dim=16, sample_size=8, patch_size=2, norm_type="ada_norm_single",
+        norm_elementwise_affine=False, norm_eps=1e-6, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+        caption_channels=32, use_additional_conditions=False,
+    )),
+    "dreamlite": ("DreamLiteTransformer2DModel", dict(
+        num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16, num_layers=1,
+        norm_num_groups=4, cross_attention_dim=16,
+    )),
 }  # fmt: skip
 
 
@@ -200,10 +227,14 @@ def _sd3_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], devi
 
 
 def _qwenimage_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
-                      dtype: torch.dtype) -> Dict[str, Any]:
-    return dict(hidden_states=randn(1, 16, 16), encoder_hidden_states=randn(1, 8, 32),
-                encoder_hidden_states_mask=torch.ones(1, 8, dtype=torch.long, device=device),
-                timestep=torch.tensor([0.5], device=device, dtype=dtype), img_shapes=[[(1, 4, 4)]], return_dict=False)
+                      dtype: torch.dtype, mixed_sizes: bool = False) -> Dict[str, Any]:
+    """``mixed_sizes``: a batch of two images of different sizes (4x4 and 2x8 latent patches), which
+    QwenImage's RoPE does not support and warns about (using the first image's size for both)."""
+    batch = 2 if mixed_sizes else 1
+    shapes = [[(1, 4, 4)], [(1, 2, 8)]] if mixed_sizes else [[(1, 4, 4)]]
+    return dict(hidden_states=randn(batch, 16, 16), encoder_hidden_states=randn(batch, 8, 32),
+                encoder_hidden_states_mask=torch.ones(batch, 8, dtype=torch.long, device=device),
+                timestep=torch.full((batch,), 0.5, device=device, dtype=dtype), img_shapes=shapes, return_dict=False)
 
 
 def _wan_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
@@ -224,11 +255,44 @@ def _feedforward_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tenso
     return dict(hidden_states=randn(1, 4, config["dim"]), **call_kwargs)
 
 
+def _flux_like_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
+                      dtype: torch.dtype, ids_3d: bool = False) -> Dict[str, Any]:
+    """Chroma and Ovis-Image: FLUX.1's inputs without pooled projections (4x4 latent grid, 8 text tokens)."""
+    kwargs = _flux1_inputs(dict(config, pooled_projection_dim=1, guidance_embeds=False), randn, device, dtype, ids_3d)
+    del kwargs["pooled_projections"]
+    return kwargs
+
+
+def _auraflow_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
+                     dtype: torch.dtype) -> Dict[str, Any]:
+    return dict(hidden_states=randn(1, 4, 8, 8), encoder_hidden_states=randn(1, 8, 32),
+                timestep=torch.tensor([500], device=device), return_dict=False)
+
+
+def _pixart_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
+                   dtype: torch.dtype) -> Dict[str, Any]:
+    return dict(hidden_states=randn(1, 4, 8, 8), encoder_hidden_states=randn(1, 8, 32),
+                timestep=torch.tensor([500], device=device), added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                return_dict=False)
+
+
+def _dreamlite_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
+                      dtype: torch.dtype, return_dict: bool = True) -> Dict[str, Any]:
+    """``return_dict=True`` is DreamLite's default: its forward then builds the deprecated
+    ``transformer_2d.Transformer2DModelOutput``, whose ``__init__`` calls ``deprecate``."""
+    return dict(hidden_states=randn(1, 16, 4, 4), encoder_hidden_states=randn(1, 8, 16), return_dict=return_dict)
+
+
 _INPUTS: Dict[str, Callable[..., Dict[str, Any]]] = {
     "flux1": _flux1_inputs, "flux2": _flux2_inputs, "sd3": _sd3_inputs, "qwenimage": _qwenimage_inputs,
     "wan": _wan_inputs, "hunyuanvideo": _hunyuanvideo_inputs, "feedforward": _feedforward_inputs,
+    "chroma": _flux_like_inputs, "ovis": _flux_like_inputs, "auraflow": _auraflow_inputs, "pixart": _pixart_inputs,
+    "dreamlite": _dreamlite_inputs,
 }
-_ATTENTION_KWARGS = {"flux1": "joint_attention_kwargs", "flux2": "joint_attention_kwargs", "sd3": "joint_attention_kwargs"}
+_ATTENTION_KWARGS = {
+    "flux1": "joint_attention_kwargs", "flux2": "joint_attention_kwargs", "sd3": "joint_attention_kwargs",
+    "chroma": "joint_attention_kwargs", "ovis": "joint_attention_kwargs", "pixart": "cross_attention_kwargs",
+}
 
 
 # ---- programs measured by tests and benchmarks alike ---------------------------------------------
@@ -269,6 +333,15 @@ GRAPH_BREAK_CASES: Tuple[GraphBreakCase, ...] = (
     GraphBreakCase("hunyuanvideo", "default"),
     GraphBreakCase("hunyuanvideo", "scale, no PEFT", attention_kwargs={"scale": 0.5}),
     GraphBreakCase("feedforward", "scale= (deprecate)", scale=0.5),
+    # Sites covered since the whole-diffusers scan, one case per kind of site:
+    GraphBreakCase("chroma", "3-D ids", ids_3d=True),  # logger.warning in a model forward
+    GraphBreakCase("chroma", "scale, no PEFT", attention_kwargs={"scale": 0.5}),  # @apply_lora_scale wrapper
+    GraphBreakCase("auraflow", "scale, no PEFT", attention_kwargs={"scale": 0.5}),
+    GraphBreakCase("ovis", "unknown attn kwarg", attention_kwargs={"foo": 1}),  # "not expected by" in attention
+    GraphBreakCase("qwenimage", "mixed image sizes", mixed_sizes=True),  # logger.warning in a RoPE module
+    GraphBreakCase("pixart", "default"),
+    GraphBreakCase("pixart", "scale (deprecated)", attention_kwargs={"scale": 0.5}),  # model, block and Attention
+    GraphBreakCase("dreamlite", "default (return_dict=True)"),  # deprecate() in an output class's __init__
 )
 
 
@@ -380,23 +453,35 @@ class GraphReport(NamedTuple):
     error: str  # why explain or the fullgraph compile failed ("" when both worked)
     output: Any = None  # the fullgraph-compiled call's result
     seconds: float = 0.0  # compile and first call with fullgraph=True
+    # Every graph break Dynamo logged during the explain run, as the doctor captures them
+    # (torchpatches._capture: file, line, reason, traced stack), including those explain does not count.
+    sites: Tuple[Any, ...] = ()
+
+    @property
+    def break_sites(self) -> Tuple[Tuple[str, int], ...]:
+        """Distinct ``(file name, line)`` where Dynamo broke the graph, sorted."""
+        return tuple(sorted({(os.path.basename(site.file), site.line) for site in self.sites}))
 
 
 def graph_report(fn: Callable[..., Any], *args: Any, backend: str = "eager", **kwargs: Any) -> GraphReport:
-    """Explain ``fn(*args, **kwargs)``, then compile it with ``fullgraph=True`` and ``backend`` and call it.
+    """Explain ``fn(*args, **kwargs)`` (capturing every break Dynamo logs, as the doctor does), then compile
+    it with ``fullgraph=True`` and ``backend`` and call it.
 
     Warnings are silenced meanwhile; Dynamo's caches are reset before and after.
     """
     import torch._dynamo
 
+    from ._capture import capture
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch._dynamo.reset()
         try:
-            explanation = torch._dynamo.explain(fn)(*args, **kwargs)
+            with capture() as captured:
+                explanation = torch._dynamo.explain(fn)(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - a hard Dynamo error is a result too (2.11 attn checks)
             torch._dynamo.reset()
-            return GraphReport(None, None, False, (_first_line(error),), _first_line(error))
+            return GraphReport(None, None, False, (_first_line(error),), _first_line(error), sites=tuple(captured.breaks))
         reasons = tuple(sorted({str(r.reason).splitlines()[0][:90] for r in explanation.break_reasons}))
         torch._dynamo.reset()
         started = time.perf_counter()
@@ -407,7 +492,7 @@ def graph_report(fn: Callable[..., Any], *args: Any, backend: str = "eager", **k
         seconds = time.perf_counter() - started
         torch._dynamo.reset()
     return GraphReport(explanation.graph_count, explanation.graph_break_count, fullgraph, reasons, failure,
-                       output, seconds)
+                       output, seconds, tuple(captured.breaks))
 
 
 def _first_line(error: BaseException) -> str:

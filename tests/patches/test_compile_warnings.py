@@ -15,7 +15,8 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402  (applies the patches)
-from torchpatches import testing  # noqa: E402
+from torchpatches import _sites, testing  # noqa: E402
+from torchpatches.patches import compile_warnings  # noqa: E402
 from torchpatches.compile import reset_once  # noqa: E402
 
 CASES = {(case.model, case.form): case for case in testing.GRAPH_BREAK_CASES}
@@ -39,6 +40,30 @@ BEFORE: Dict[Tuple[str, str], Tuple[int, int, bool]] = {
     ("wan", "scale, no PEFT"): (1, 0, False),
     ("hunyuanvideo", "scale, no PEFT"): (1, 0, False),
     ("feedforward", "scale= (deprecate)"): (1, 0, False),  # explain under-reports here too
+    # Sites covered since the whole-diffusers scan (one case per kind of site):
+    ("chroma", "3-D ids"): (3, 2, False),
+    ("chroma", "scale, no PEFT"): (1, 0, False),
+    ("auraflow", "scale, no PEFT"): (1, 0, False),
+    ("ovis", "unknown attn kwarg"): (10, 9, False),
+    ("qwenimage", "mixed image sizes"): (3, 2, False),
+    ("pixart", "scale (deprecated)"): (7, 6, False),
+    ("dreamlite", "default (return_dict=True)"): (1, 0, False),  # DreamLite's default form breaks
+}
+
+#: (model, form) -> where Dynamo breaks the graph before the patch (file name, line; diffusers 0.42.1).
+#: The breaks inside deprecate() are on another line on 2.11 (its import) than on 2.13 (warnings.warn).
+SITES_BEFORE: Dict[Tuple[str, str], Tuple[Tuple[str, int], ...]] = {
+    ("flux1", "3-D ids"): (("transformer_flux.py", 737), ("transformer_flux.py", 743)),
+    ("flux1", "scale, no PEFT"): (("peft_utils.py", 313),),
+    ("chroma", "3-D ids"): (("transformer_chroma.py", 525), ("transformer_chroma.py", 531)),
+    ("chroma", "scale, no PEFT"): (("peft_utils.py", 313),),
+    ("auraflow", "scale, no PEFT"): (("peft_utils.py", 313),),
+    ("ovis", "unknown attn kwarg"): (("transformer_ovis_image.py", 207),),
+    ("qwenimage", "mixed image sizes"): (("transformer_qwenimage.py", 265),),
+    ("pixart", "scale (deprecated)"): (
+        ("attention.py", 973), ("attention_processor.py", 602), ("transformer_2d.py", 376),
+    ),
+    ("dreamlite", "default (return_dict=True)"): (("deprecation_utils.py", 72 if TORCH_2_11 else 98),),
 }
 
 FLUX_MODULE = "diffusers.models.transformers.transformer_flux"
@@ -82,11 +107,16 @@ def test_graph_breaks_before_and_after(key: Tuple[str, str]) -> None:
     with torch.no_grad(), testing.quiet():
         with torchpatches.disabled("compile_warnings"):
             report = testing.graph_report(model, **case.inputs())
-            assert (report.graphs, report.breaks) == (graphs, breaks)
+            assert (report.graphs, report.breaks, report.fullgraph) == (graphs, breaks, fullgraph)
             eager_before = _first(model(**case.inputs()))
-            if fullgraph:
-                assert report.fullgraph
-        assert _explain(model, case.inputs()) == (1, 0)
+        if key in SITES_BEFORE:
+            assert report.break_sites == SITES_BEFORE[key]
+        # Ground truth for the doctor: every break before the patch is at a site compile_warnings declares.
+        declared = _sites.declared_sites([compile_warnings.PATCH])
+        assert [site for site in report.sites if _sites.find_site(site.stack, declared) is None] == []
+        assert bool(report.sites) == (not fullgraph)
+        after = testing.graph_report(model, **case.inputs())
+        assert (after.graphs, after.breaks, after.fullgraph, after.sites) == (1, 0, True, ())
         eager_after = _first(model(**case.inputs()))
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="eager", fullgraph=True)

@@ -14,7 +14,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
+from typing import Dict, Set, Tuple
 
 import pytest
 

@@ -19,6 +19,17 @@ What goes wrong upstream
     - ``DIFFUSERS_ATTN_CHECKS=1`` on torch 2.11 and 2.12: compilation aborts with a bare ``AssertionError``
       in Dynamo (variables/base.py) on ``set(kwargs) - set(...)`` (attention_dispatch.py:442); the
       ``logger.warning`` after it (:444) would break the graph when kwargs are really removed.
+    The same kinds of site exist across diffusers: tools/warning_sites.py scans every transformer model's
+    forward (through its blocks, attention modules, processors and decorators) and finds 77 sites in 71
+    functions of 0.42.1 -- 40 ``@apply_lora_scale`` forwards, 17 "not expected by" attention forwards
+    (15 transformer files and ``Attention``), 3-D ids in Chroma and Ovis-Image, differently sized images
+    in the QwenImage and NucleusMoE RoPE modules, an inline scale warning in MotifVideo, ``scale`` in
+    ``cross_attention_kwargs`` (Transformer2DModel/PixArt, BasicTransformerBlock, DreamLite), ``deprecate()``
+    in GEGLU, AttnProcessor(2_0) and the deprecated ``transformer_2d.Transformer2DModelOutput`` that
+    DreamLite builds on its default ``return_dict=True``.
+    Every one is a target below; the 8 sites compiled code never reaches (construction time, branches
+    under ``not torch.compiler.is_compiling()``) are in ``NOT_COVERED`` with the reason, and
+    tests/patches/test_compile_warnings_sites.py fails when a release adds a site that is neither.
     No upstream issue or fix as of diffusers 0.42.1; sglang fixed its own FLUX copy the same way
     (PR #23648: a trace-time warning helper plus warn-once).
 
@@ -28,7 +39,9 @@ What the patch changes
     compile-safe stand-in held in a closure: :class:`torchpatches.compile.OnceLogger` (``warning``
     goes through ``warning_once``: emitted once per distinct message, in eager on the same logger
     with the same level and text, under compile at trace time with nothing in the graph) and
-    :func:`torchpatches._warning_sites.compile_safe_deprecate`. Every other global is read live
+    :func:`torchpatches._warning_sites.compile_safe_deprecate`. Each target declares the sites it removes
+    (:class:`torchpatches.Site`), which is how ``torchpatches doctor`` maps a graph break to this patch.
+    Every other global is read live
     from the diffusers module, so the copies see other patches (``rope``) and monkeypatches.
     One copy also has one line edited: ``dispatch_attention_fn`` computes ``removed_kwargs`` with a
     set comprehension (the same set) instead of ``set(kwargs) - set(...)``, which makes the
