@@ -304,6 +304,7 @@ def test_rows_fixed_fixable_open_and_drift(user_module: Tuple[str, str]) -> None
         ("___check_obj_id(L['self'], 1234)", "different object"),
         ("L['n'] == 3", "Python int/float"),
         ("len(L['xs']) == 2", "length"),
+        ("0/1: ___check_type_id(fn, 94612220305936), type=<class 'Sequential'>", "shared entry wrapper"),
         ("something new", "recompiles_verbose"),
     ],
 )

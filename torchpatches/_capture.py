@@ -142,8 +142,8 @@ def _record_break(tracer: Any, code_options: Any, reason: Any, exc: Any) -> None
 def _compiled_function(frame: Any) -> Tuple[str, str, int]:
     """(name, file, first line) of the user's function a recompiled frame belongs to.
 
-    A compiled ``nn.Module`` is entered through a small Dynamo wrapper (``external_utils``) whose
-    ``fn`` is the module's ``__call__``: report the module's ``forward`` instead of the wrapper.
+    A compiled ``nn.Module`` is entered through a small Dynamo wrapper (``external_utils.wrap_inline``)
+    whose local ``fn`` is the module (2.13) or its bound ``__call__``: report the module's ``forward``.
     """
     code = frame.f_code
     found = (clean_function_name(getattr(code, "co_qualname", code.co_name)), code.co_filename, code.co_firstlineno)
@@ -153,10 +153,18 @@ def _compiled_function(frame: Any) -> Tuple[str, str, int]:
         wrapped = frame.f_locals.get("fn")
     except Exception:  # noqa: BLE001
         return found
+    if wrapped is None:
+        return found
     owner = getattr(wrapped, "__self__", None)
-    forward = getattr(type(owner), "forward", None) if owner is not None else None
-    forward = inspect.unwrap(forward) if forward is not None else getattr(wrapped, "__func__", wrapped)
-    forward_code = getattr(forward, "__code__", None)
+    if owner is not None:  # a bound method: the module's forward for its call methods, else the method
+        calls = ("__call__", "_call_impl", "_wrapped_call_impl")
+        forward = getattr(type(owner), "forward", None) if getattr(wrapped, "__name__", "") in calls else None
+        forward = forward if forward is not None else getattr(wrapped, "__func__", None)
+    elif not hasattr(wrapped, "__code__") and hasattr(type(wrapped), "forward"):  # the module itself
+        forward = type(wrapped).forward
+    else:
+        forward = wrapped
+    forward_code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
     if forward_code is None:
         return found
     name = getattr(forward_code, "co_qualname", forward_code.co_name)

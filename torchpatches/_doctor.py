@@ -163,6 +163,11 @@ _SIZE = re.compile(r"size mismatch at index (\d+)")
 
 
 def _remedy(reason: str) -> str:
+    if re.search(r"___check_(type|obj)_id\(fn\b", reason):
+        return (
+            "another compiled module or function entered through Dynamo's shared entry wrapper: one compile per "
+            "distinct one is expected; many of them count against torch._dynamo.config.recompile_limit"
+        )
     size = _SIZE.search(reason)
     if size:
         dim = size.group(1)
