@@ -4,7 +4,9 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import textwrap
 import threading
+import uuid
 
 import pytest
 
@@ -376,3 +378,40 @@ def test_reapplying_reuses_the_same_replacement_object(target):
     registry.revert()
     registry.apply()
     assert module.greet is first and len(built) == 1
+
+
+def test_a_target_module_its_imported_package_lacks_is_skipped_and_the_rest_apply(tmp_path, monkeypatch):
+    """An older release without one model module: that target is skipped naming it, the others apply."""
+    package = f"tp_pkg_{uuid.uuid4().hex[:8]}"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("__version__ = '0.40.0'\n")
+    (tmp_path / package / "present.py").write_text(textwrap.dedent(TARGET_SOURCE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    try:
+        fingerprint = _fingerprint_of(f"{package}.present", "greet")
+        for name in [n for n in sys.modules if n.startswith(package)]:
+            sys.modules.pop(name)
+        targets = tuple(
+            Target(f"{package}.{module}:greet", _loud, frozenset({fingerprint})) for module in ("present", "absent")
+        )
+        registry = Registry([Patch(name="loud", summary="s", targets=targets)])
+        registry.apply()
+        assert registry.status()["loud"].state is PatchState.PENDING  # the package is not imported yet
+
+        importlib.import_module(f"{package}.present")
+        entry = registry.status()["loud"]
+        assert entry.state is PatchState.APPLIED
+        assert entry.reason == f"1/2 target(s) patched; {package}.absent does not exist in {package} 0.40.0"
+        assert [t.state for t in entry.targets] == [PatchState.APPLIED, PatchState.SKIPPED]
+
+        # Should the module appear and be imported after all, the patch follows it there too.
+        (tmp_path / package / "absent.py").write_text(textwrap.dedent(TARGET_SOURCE))
+        importlib.invalidate_caches()
+        module = importlib.import_module(f"{package}.absent")
+        assert module.greet("ada") == "HELLO ADA"
+        assert registry.status()["loud"].reason == "2/2 target(s) patched"
+        registry.revert()
+    finally:
+        for name in [n for n in sys.modules if n.startswith(package)]:
+            sys.modules.pop(name)

@@ -36,6 +36,12 @@ CASES: Dict[str, Tuple[Tuple[TargetStatus, ...], bool, Optional[str], Optional[s
     "all skipped": ((_target(S, reason="x differs"), _target(S, reason="y not found")), True, None, None,
                     (S, "x differs; y not found")),
     "wanted, nothing attempted": ((_target(D),), True, None, None, (P, "not attempted yet")),
+    "applied, many skipped: three reasons and a count": (
+        (_target(A, "a"),) + tuple(_target(S, name, f"{name} does not exist") for name in "bcdef"), True, None, None,
+        (A, "1/6 target(s) patched; b does not exist; c does not exist; d does not exist; "
+            "and 2 more skipped target(s) (PatchStatus.targets lists each)")),
+    "the same skip reason twice is said once": ((_target(S, "a", "same"), _target(S, "b", "same")), True, None,
+                                                 None, (S, "same")),
 }
 
 

@@ -28,12 +28,39 @@ logger = logging.getLogger("torchpatches")
 
 Callback = Callable[[object], None]
 
-__all__ = ["when_imported", "on_every_load", "is_imported"]
+__all__ = ["when_imported", "on_every_load", "is_imported", "missing_submodule"]
 
 _lock = threading.RLock()
 _callbacks: Dict[str, List[Callback]] = {}
 _every_load: Dict[str, List[Callback]] = {}
 _resolving = threading.local()
+
+
+def missing_submodule(name: str) -> Optional[str]:
+    """Why ``name`` cannot be imported, when its parent package is imported and has no such module.
+
+    None when that cannot be told without importing anything (the parent is not imported, or is not
+    a plain package: a stub, a namespace without a path list) or when the module is there. Looks only
+    in the parent's ``__path__`` (``PathFinder``, the file system and zip files; no ``sys.meta_path``
+    finder is asked, so no import hook or policy finder runs). A module that a custom finder provides
+    is still patched when it is imported: its load is followed either way.
+    """
+    parent_name, _, _ = name.rpartition(".")
+    if not parent_name or not is_imported(parent_name):
+        return None
+    try:
+        parent = sys.modules[parent_name]
+        path = parent.__dict__.get("__path__")
+        if not isinstance(path, list) or not all(isinstance(entry, str) for entry in path):
+            return None
+        if importlib.machinery.PathFinder.find_spec(name, path) is not None:
+            return None
+        top = sys.modules.get(name.split(".", 1)[0])
+        version = getattr(top, "__version__", None)
+    except Exception:  # noqa: BLE001 - a stub or an odd path entry: we cannot tell, so keep waiting
+        return None
+    where = f"{name.split('.', 1)[0]} {version}" if isinstance(version, str) else "the installed package"
+    return f"{name} does not exist in {where}"
 
 
 def is_imported(name: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
 
 from . import _gates
 from ._declare import Patch
-from ._import_hooks import is_imported, on_every_load
+from ._import_hooks import is_imported, missing_submodule, on_every_load
 from ._slot import SkipTarget, Slot, verify_dependency
 from ._status import PatchState, PatchStatus, Status, TargetStatus, summarise
 
@@ -142,6 +142,10 @@ class Registry:
         if module is not None:
             self._apply_slot(entry, slot, module)
             return
+        missing = missing_submodule(module_name)  # e.g. a model module an older diffusers does not have
+        if missing is not None:
+            slot.set(PatchState.SKIPPED, missing)
+            return
         slot.set(PatchState.PENDING, f"waits for {module_name} to be imported")
 
     def _follow_loads(self, entry: _Entry) -> None:
@@ -188,7 +192,9 @@ class Registry:
                             self._converge(entry, slot)
                     continue
             for slot in entry.slots:
-                if slot.state is PatchState.PENDING and is_imported(slot.target.module):
+                if slot.state is PatchState.PENDING and (
+                    is_imported(slot.target.module) or missing_submodule(slot.target.module) is not None
+                ):
                     self._converge(entry, slot)
 
     def _apply_slot(self, entry: _Entry, slot: Slot, module: Any) -> None:

@@ -8,7 +8,7 @@ into the patch's one state and reason; it is a pure function, tested from a tabl
 from __future__ import annotations
 
 import enum
-from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 __all__ = ["PatchState", "TargetStatus", "PatchStatus", "Status", "summarise"]
 
@@ -109,17 +109,26 @@ def summarise(
         parts = [f"{len(applied)}/{len(targets)} target(s) patched"]
         if waiting:
             parts.append(f"waiting for {_modules_phrase(waiting)}")
-        parts += [t.reason for t in skipped]
+        parts += _skipped_phrase(skipped)
         return PatchState.APPLIED, "; ".join(parts)
     if waiting:
         previewed = preview_gate()
         if previewed is not None:
             return PatchState.SKIPPED, previewed
-        notes = [f"waits for {_modules_phrase(waiting)} to be imported"] + [t.reason for t in skipped]
+        notes = [f"waits for {_modules_phrase(waiting)} to be imported"] + _skipped_phrase(skipped)
         return PatchState.PENDING, "; ".join(notes)
     if skipped:
-        return PatchState.SKIPPED, "; ".join(t.reason for t in skipped)
+        return PatchState.SKIPPED, "; ".join(_skipped_phrase(skipped))
     return PatchState.PENDING, "not attempted yet"
+
+
+def _skipped_phrase(targets: Sequence[TargetStatus], shown: int = 3) -> List[str]:
+    """The skipped targets' reasons; past ``shown`` of them, a count (a patch with dozens of targets,
+    most of which an older release lacks, would otherwise print a paragraph; ``targets`` has each)."""
+    reasons = list(dict.fromkeys(target.reason for target in targets))
+    if len(reasons) <= shown:
+        return reasons
+    return reasons[:shown] + [f"and {len(reasons) - shown} more skipped target(s) (PatchStatus.targets lists each)"]
 
 
 def _modules_phrase(targets: Sequence[TargetStatus], shown: int = 2) -> str:
