@@ -34,8 +34,11 @@ _spec.loader.exec_module(warning_sites)  # type: ignore[union-attr]
 import diffusers  # noqa: E402
 
 DIFFUSERS_ROOT = Path(diffusers.__file__).resolve().parent
+# Older releases in the gate (0.40, 0.41) have fewer models; which targets apply there is checked in
+# test_compile_warnings. A newer release runs the scan: a site it adds fails here, not in a user's compile.
 pytestmark = pytest.mark.skipif(
-    diffusers.__version__ != "0.42.1", reason="the site inventory is pinned to diffusers 0.42.1"
+    tuple(int(part) for part in diffusers.__version__.split(".")[:3] if part.isdigit()) < (0, 42, 1),
+    reason=f"the site inventory is of diffusers 0.42.1; {diffusers.__version__} is older",
 )
 
 

@@ -56,11 +56,14 @@ What the patch changes
     ``transformers``' ``warning_once``), not on every call.
 
 Versions
-    diffusers >= 0.40, < 0.43: every target's source in 0.40.0, 0.41.0, 0.42.0 and 0.42.1 is one of
-    the fingerprints below (``dispatch_attention_fn`` has two: 0.42 skips an ``Enum`` call); tests run
-    on 0.42.1 and 0.41.0. Before 0.40 the SD3 and Wan forwards, before 0.39 the FLUX.1/FLUX.2/Qwen/
-    Hunyuan forwards and before 0.37 every target have other sources, and the ``@apply_lora_scale``
-    wrapper (the scale warning) exists only since 0.37: those releases are outside the gate.
+    diffusers >= 0.40, < 0.43. Every target is fingerprinted on 0.42.1 (``tools/fingerprint_diffusers.py``);
+    on 0.40.0 and 0.41.0 the targets that exist there apply where their source is one of the fingerprints
+    (the tables below say which 0.40 sources were read and accepted; ``dispatch_attention_fn`` has two:
+    0.42 skips an ``Enum`` call), and the rest are skipped with the reason: Z-Image's forward on 0.40/0.41
+    and HiDream's on 0.40 by fingerprint, the model modules those releases do not have as "does not exist".
+    Tests run on 0.42.1, 0.41.0 and 0.40.0. Before 0.40 the SD3 and Wan forwards, before 0.39 the
+    FLUX.1/FLUX.2/Qwen/Hunyuan forwards and before 0.37 every target have other sources, and the
+    ``@apply_lora_scale`` wrapper (the scale warning) exists only since 0.37: those releases are outside the gate.
     torch >= 2.11 (tested on 2.11, 2.13, 2.15 in CI; 2.12.1 and 2.14.1 by hand).
 
     When the running torch's Dynamo traces both kinds of site itself (measured once per process,
@@ -76,7 +79,7 @@ When to delete
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, FrozenSet, Optional, Tuple, Union
 
 from .._declare import Patch, Site, Target
 
@@ -193,7 +196,13 @@ def _module(name: str) -> str:
 # The tables below list every forward-time warning site of diffusers 0.42.1's transformer models that
 # compiled code reaches: tools/warning_sites.py finds them (an AST scan from every model's forward, through
 # blocks, attention modules and processors), tests/patches/test_compile_warnings_sites.py checks that each is
-# declared here or in NOT_COVERED, and the fingerprints are those of diffusers 0.42.1's sources.
+# declared here or in NOT_COVERED. A fingerprint is that of diffusers 0.42.1's source, which 0.40.0 and 0.41.0
+# share unless a tuple also names theirs (read side by side with 0.42.1's: they differ only in annotations or
+# in code far from the warning site). On 0.40.0/0.41.0 the rest are skipped: by fingerprint where the source
+# differs at a site or has no site yet (HiDream 0.40 has two more `deprecate()` calls; Z-Image has no
+# `@apply_lora_scale` before 0.42), as "does not exist" where the model module is newer than the release
+# (FLUX.3, RFD4-Proteina, SANA-WM refiner; QwenImage 2.1 on 0.40). `tools/fingerprint_diffusers.py` lists them.
+Fingerprints = Union[str, Tuple[str, ...]]
 _UNEXPECTED = "attention kwargs the processor does not take ('... are not expected by ...')"
 _SCALE_IGNORED = "`scale` in `cross_attention_kwargs` (deprecated, ignored)"
 _MIXED_SIZES = "a batch of differently sized images (`img_shapes` / `video_fhw`)"
@@ -202,7 +211,7 @@ _EXTRA_ARGS = "extra positional arguments or `scale=` (deprecated)"
 
 #: ``@apply_lora_scale`` forwards (their wrapper warns about ``scale`` without PEFT): (module, class,
 #: fingerprint of wrapper + forward, what the forward's own ``logger`` warns about or None).
-_LORA_FORWARDS: Tuple[Tuple[str, str, str, Optional[str]], ...] = (
+_LORA_FORWARDS: Tuple[Tuple[str, str, Fingerprints, Optional[str]], ...] = (
     ("ace_step_transformer", "AceStepTransformer1DModel", "bf507fdbd6a45746", None),
     ("auraflow_transformer_2d", "AuraFlowTransformer2DModel", "0cc55264b361860e", None),
     ("cogvideox_transformer_3d", "CogVideoXTransformer3DModel", "bae10d5d34075350", None),
@@ -226,7 +235,7 @@ _LORA_FORWARDS: Tuple[Tuple[str, str, str, Optional[str]], ...] = (
     ("transformer_hunyuanimage", "HunyuanImageTransformer2DModel", "80621a0815e45e54", None),
     ("transformer_ideogram4", "Ideogram4Transformer2DModel", "3af808a17896c5d1", None),
     ("transformer_krea2", "Krea2Transformer2DModel", "9b25f943923544c4", None),
-    ("transformer_ltx2", "LTX2VideoTransformer3DModel", "7d1d6389aa8f084b", None),
+    ("transformer_ltx2", "LTX2VideoTransformer3DModel", ("7d1d6389aa8f084b", "49d49ef3983b5fc1"), None),  # 0.40: no keyframes mask
     ("transformer_ltx", "LTXVideoTransformer3DModel", "a33780b96f431548", None),
     ("transformer_lumina2", "Lumina2Transformer2DModel", "20abc948bbed471a", None),
     ("transformer_minimax_h3", "MiniMaxH3Transformer3DModel", "0e2893af52f85868", None),
@@ -246,12 +255,12 @@ _LORA_FORWARDS: Tuple[Tuple[str, str, str, Optional[str]], ...] = (
 )
 
 #: Functions whose own ``logger.warning`` breaks the graph: (module, qualname, fingerprint, when).
-_LOGGER_SITES: Tuple[Tuple[str, str, str, str], ...] = (
+_LOGGER_SITES: Tuple[Tuple[str, str, Fingerprints, str], ...] = (
     ("diffusers.models.attention", "BasicTransformerBlock.forward", "9cfc6111a7fd5580", _SCALE_IGNORED),
     ("diffusers.models.attention_processor", "Attention.forward", "d3822449559212cb", _UNEXPECTED),
-    ("transformer_2d", "Transformer2DModel.forward", "7a3829f24ddbfdf3", _SCALE_IGNORED),
+    ("transformer_2d", "Transformer2DModel.forward", ("7a3829f24ddbfdf3", "2008d01bcd13d317"), _SCALE_IGNORED),  # 0.40: no annotation
     ("transformer_2d_dreamlite", "BasicTransformerBlockDreamLite.forward", "0e9a4641f8cc0075", _SCALE_IGNORED),
-    ("transformer_2d_dreamlite", "DreamLiteTransformer2DModel.forward", "3c78e93d6dbfd296", _SCALE_IGNORED),
+    ("transformer_2d_dreamlite", "DreamLiteTransformer2DModel.forward", ("3c78e93d6dbfd296", "3fc2caca8d3dbd96"), _SCALE_IGNORED),  # 0.40: no annotation
     ("transformer_bria", "BriaAttention.forward", "492c7eeb65bc6a4e", _UNEXPECTED),
     ("transformer_bria_fibo", "BriaFiboAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
     ("transformer_ernie_image", "ErnieImageAttention.forward", "9c90a5d96b592148", _UNEXPECTED),
@@ -275,8 +284,8 @@ _LOGGER_SITES: Tuple[Tuple[str, str, str, str], ...] = (
 )
 
 #: Functions calling ``deprecate(...)`` in forward: (module, qualname, fingerprint, when).
-_DEPRECATE_SITES: Tuple[Tuple[str, str, str, str], ...] = (
-    ("diffusers.models.activations", "GEGLU.forward", "dc945fffaaaf023e", _EXTRA_ARGS),
+_DEPRECATE_SITES: Tuple[Tuple[str, str, Fingerprints, str], ...] = (
+    ("diffusers.models.activations", "GEGLU.forward", ("dc945fffaaaf023e", "4a2cbfac97b29e60"), _EXTRA_ARGS),  # 0.40: no annotation
     ("diffusers.models.attention", "FeedForward.forward", "2534be46672c7017", _EXTRA_ARGS),
     ("diffusers.models.attention_processor", "AttnProcessor.__call__", "372459933681be64", _EXTRA_ARGS),
     ("diffusers.models.attention_processor", "AttnProcessor2_0.__call__", "d5a292e89ccd77a2", _EXTRA_ARGS),
@@ -300,6 +309,10 @@ NOT_COVERED: Tuple[Tuple[str, str, str, str], ...] = (
 )
 
 
+def _fingerprints(value: Fingerprints) -> FrozenSet[str]:
+    return frozenset({value} if isinstance(value, str) else value)
+
+
 def _targets() -> Tuple[Target, ...]:
     targets = []
     for module, cls, fingerprint, own_warning in _LORA_FORWARDS:
@@ -307,21 +320,21 @@ def _targets() -> Tuple[Target, ...]:
         targets.append(Target(
             f"{_module(module)}:{cls}.forward",
             make_replacement=_lora_forward(_module(module) if own_warning else None),
-            fingerprints=frozenset({fingerprint}),
+            fingerprints=_fingerprints(fingerprint),
             sites=sites,
         ))
     for module, qualname, fingerprint, when in _LOGGER_SITES:
         targets.append(Target(
             f"{_module(module)}:{qualname}",
             make_replacement=_rebind_logger(_module(module)),
-            fingerprints=frozenset({fingerprint}),
+            fingerprints=_fingerprints(fingerprint),
             sites=(Site("logger.warning", when),),
         ))
     for module, qualname, fingerprint, when in _DEPRECATE_SITES:
         targets.append(Target(
             f"{_module(module)}:{qualname}",
             make_replacement=_rebind_deprecate,
-            fingerprints=frozenset({fingerprint}),
+            fingerprints=_fingerprints(fingerprint),
             sites=(Site("deprecate", when),),
         ))
     targets.append(Target(
