@@ -48,7 +48,7 @@ DIFFUSERS = {
         version: (
             why,
             ["tests/patches/test_rope_patch.py", "tests/patches/test_compile_warnings.py",
-             "tests/patches/test_dynamo_warning_sites.py"],
+             "tests/patches/test_dynamo_warning_sites.py", "tests/test_doctor.py"],
         )
         for version, why in {
             "0.40.0": "the oldest release compile_warnings accepts",
