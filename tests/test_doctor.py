@@ -177,8 +177,8 @@ def test_marked_dynamic_does_not_recompile() -> None:
 # ---- the CLI agrees with the API --------------------------------------------------------------------------
 
 
-def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def _cli(*args: str, cwd: Path, env: Any = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "torchpatches", "doctor", *args], cwd=cwd, env=env, capture_output=True, text=True,
         timeout=600,
@@ -295,6 +295,26 @@ def test_rows_fixed_fixable_open_and_drift(user_module: Tuple[str, str]) -> None
     assert _doctor._rows(_captured(deep), _captured(), _status("applied"), sites)[0].fixed_by == "p"
 
 
+def test_a_site_shared_by_targets_is_fixable_while_one_of_them_is_not_applied(user_module: Tuple[str, str]) -> None:
+    """The @apply_lora_scale wrapper's warning: one site, declared by every LoRA forward it wraps."""
+    from types import SimpleNamespace
+
+    path, function = user_module
+    site = Site("logger.warning", "when x", function=function)
+    sites = [DeclaredSite("p", "m:A.forward", site), DeclaredSite("p", "m:B.forward", site)]
+    state = lambda value: SimpleNamespace(value=value)  # noqa: E731
+    targets = (SimpleNamespace(path="m:A.forward", state=state("applied"), reason="m:A.forward replaced"),
+               SimpleNamespace(path="m:B.forward", state=state("skipped"), reason="m:B.forward differs"))
+    status = {"p": SimpleNamespace(state=state("applied"), reason="1/2 target(s) patched", targets=targets)}
+    rows = _doctor._rows(_captured(_break(path, 4)), _captured(_break(path, 4)), status, sites)
+    assert [(r.status, r.fixable_by, r.why) for r in rows] == [("fixable", "p", "p is skipped: m:B.forward differs")]
+
+    applied = {"p": SimpleNamespace(state=state("applied"), reason="2/2", targets=(
+        targets[0], SimpleNamespace(path="m:B.forward", state=state("applied"), reason="replaced")))}
+    rows = _doctor._rows(_captured(_break(path, 4)), _captured(_break(path, 4)), applied, sites)
+    assert rows[0].status == "open" and "still breaks" in rows[0].why
+
+
 @pytest.mark.parametrize(
     "reason, expected",
     [
@@ -347,3 +367,80 @@ def test_import_does_not_load_the_doctor() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---- scripts that do what scripts do ---------------------------------------------------------------------
+
+_EXITING = """
+import sys, torch
+from torchpatches import testing
+
+def main(code):
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="eager")
+    compiled(torch.ones(1, 4))
+    torch._dynamo.reset()  # the script's own reset: what it compiles next is a first compile, not a recompile
+    compiled(torch.ones(2, 4))
+    print("argv", sys.argv[1:])
+    sys.exit(code)
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_cli_script_with_main_guard_argv_reset_and_sys_exit(tmp_path: Path, code: int) -> None:
+    script = tmp_path / "exits.py"
+    script.write_text(_EXITING)
+    done = _cli("--json", str(script), str(code), cwd=tmp_path)
+    data = json.loads(done.stdout)
+    assert f"argv ['{code}']" in done.stderr  # it ran as __main__, with its arguments
+    assert data["breaks"] == [] and data["recompiles"] == []
+    if code == 0:
+        assert data["errors"] == {} and data["fullgraph_ok"] is True and done.returncode == 0
+    else:  # a run that did not finish is reported, and exit status 1 says the report is not clean
+        assert data["errors"] == {"without_patches": "SystemExit: 3", "with_patches": "SystemExit: 3"}
+        assert data["fullgraph_ok"] is None  # failing the same way with fullgraph says nothing about breaks
+        assert any("fails the same way" in note for note in data["notes"])
+        assert done.returncode == 1
+
+
+def test_cli_usage_errors_say_what_is_wrong(tmp_path: Path) -> None:
+    missing = _cli(str(tmp_path / "missing.py"), cwd=tmp_path)
+    assert missing.returncode == 2 and "no such script" in missing.stderr and missing.stdout == ""
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    done = _cli(str(broken), cwd=tmp_path)
+    assert done.returncode == 2 and "SyntaxError" in done.stderr and done.stdout == ""
+    assert _cli(str(tmp_path), cwd=tmp_path).returncode == 2  # a directory is not a script
+
+
+def test_cli_with_the_patch_disabled_by_the_environment(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    script = tmp_path / "ff.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torchpatches import testing
+        model = testing.build_model("feedforward")
+        torch.compile(model, backend="eager")(**testing.tiny_inputs("feedforward", scale=0.5))
+    """))
+    env = {"TORCHPATCHES_DISABLE": "compile_warnings"}
+    done = _cli("--json", str(script), cwd=tmp_path, env=env)
+    data = json.loads(done.stdout)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert data["patches"]["compile_warnings"]["state"] == "disabled"
+    assert data["breaks"] and {row["status"] for row in data["breaks"]} == {"fixable"}
+    assert {row["fixable_by"] for row in data["breaks"]} == {"compile_warnings"}
+    assert all("TORCHPATCHES_DISABLE" in row["why"] for row in data["breaks"]), data["breaks"]
+    assert data["fullgraph_ok"] is False
+
+    table = _cli(str(script), cwd=tmp_path, env=env)
+    assert table.returncode == 1 and "fixable by compile_warnings: compile_warnings is disabled" in table.stdout
+
+
+def test_api_after_the_users_own_reset() -> None:
+    compiled = torch.compile(ItemBranch(), backend="eager")
+    compiled(torch.ones(2, 4))
+    torch._dynamo.reset()
+    report = torchpatches.doctor(compiled, torch.ones(2, 4))  # a compiled module: the doctor compiles its original
+    assert [(r.line, r.status) for r in report.breaks] == [(_line_of("ITEM"), "open")]

@@ -62,6 +62,11 @@ def _doctor_main(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     if not os.path.isfile(args.script):
         parser.error(f"no such script: {args.script}")  # exits with status 2
+    try:  # a script that cannot run at all is a usage error, not a finding
+        with open(args.script, "rb") as handle:
+            compile(handle.read(), args.script, "exec")
+    except (OSError, SyntaxError, ValueError) as error:
+        parser.error(f"cannot run {args.script}: {type(error).__name__}: {error}")
 
     from . import _doctor
 

@@ -26,7 +26,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from ._capture import Capture, GraphBreak, Recompile, capture
-from ._sites import DeclaredSite, declared_sites, enclosing_function, find_site
+from ._sites import DeclaredSite, declared_sites, enclosing_function, find_site, find_sites
 
 __all__ = ["doctor", "diagnose", "DoctorReport", "BreakRow", "RecompileRow", "SCHEMA"]
 
@@ -249,12 +249,14 @@ def _rows(
                                  "gone with the patches applied, but no patch declares this site", "", count,
                                  event.gb_id, stack(event)))
     for key, (event, count) in remaining.items():
-        declared = find_site(event.stack, sites)
-        if declared is None:
+        matches = find_sites(event.stack, sites)
+        if not matches:
             rows.append(BreakRow(event.file, event.line, function(event), event.reason, "open", None, None, "",
                                  _hint(event), count, event.gb_id, stack(event)))
             continue
-        state, reason = _target_state(status, declared)
+        # A site several targets declare (a shared wrapper) breaks while any of them is not applied.
+        states = [(declared, *_target_state(status, declared)) for declared in matches]
+        declared, state, reason = next((entry for entry in states if entry[1] != "applied"), states[0])
         if state == "applied":
             rows.append(BreakRow(event.file, event.line, function(event), event.reason, "open", None, None,
                                  f"{declared.patch} declares this site and is applied, yet it still breaks "
@@ -369,6 +371,11 @@ def diagnose(
                 else:
                     notes.append(f"fullgraph not tried: {unavailable}")
         fullgraph_error = trial_errors.get("fullgraph", "")
+        if fullgraph_ok is False and fullgraph_error == errors.get("with_patches"):
+            # The workload fails the same way without fullgraph (a script's sys.exit(3), its own exception):
+            # the trial says nothing about graph breaks.
+            fullgraph_ok, fullgraph_error = None, ""
+            notes.append("fullgraph not judged: the workload fails the same way without it")
     _reset()
 
     for captured in (before, after):

@@ -18,7 +18,7 @@ from typing import Dict, FrozenSet, Iterable, List, NamedTuple, Optional, Sequen
 from ._declare import Patch, Site
 
 __all__ = [
-    "DeclaredSite", "declared_sites", "site_lines", "calls_in_function", "find_site", "normalize_path",
+    "DeclaredSite", "declared_sites", "site_lines", "calls_in_function", "find_site", "find_sites", "normalize_path",
     "enclosing_function",
 ]
 
@@ -118,18 +118,31 @@ def site_lines(site: Site) -> Optional[Tuple[str, FrozenSet[int]]]:
     return normalize_path(path), frozenset(lines)
 
 
-def find_site(frames: Iterable[Tuple[str, int, str]], sites: Sequence[DeclaredSite]) -> Optional[DeclaredSite]:
-    """The declared site a graph break hit: the innermost traced frame that is on a site's line."""
+def find_sites(frames: Iterable[Tuple[str, int, str]], sites: Sequence[DeclaredSite]) -> List[DeclaredSite]:
+    """Every declaration of the site a graph break hit (the innermost traced frame on a site's line).
+
+    Several targets can declare one site: the ``@apply_lora_scale`` wrapper's warning is declared by every
+    LoRA forward it wraps, and the traced stack does not say which model's wrapper it was.
+    """
     resolved: Dict[int, Optional[Tuple[str, FrozenSet[int]]]] = {}
     for file, line, _ in reversed(list(frames)):
         path = normalize_path(file)
+        found = []
         for index, declared in enumerate(sites):
             if index not in resolved:
                 resolved[index] = site_lines(declared.site)
             where = resolved[index]
             if where is not None and where[0] == path and line in where[1]:
-                return declared
-    return None
+                found.append(declared)
+        if found:
+            return found
+    return []
+
+
+def find_site(frames: Iterable[Tuple[str, int, str]], sites: Sequence[DeclaredSite]) -> Optional[DeclaredSite]:
+    """The (first) declared site a graph break hit: the innermost traced frame that is on a site's line."""
+    found = find_sites(frames, sites)
+    return found[0] if found else None
 
 
 def enclosing_function(path: str, line: int) -> Optional[str]:
