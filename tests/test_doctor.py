@@ -5,6 +5,7 @@ reverted and with them applied, and must find exactly the two breaks compile_war
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -65,6 +66,20 @@ class Plain(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # FORWARD
+        return self.lin(x).relu()
+
+
+def _decorate(forward: Any) -> Any:
+    @functools.wraps(forward)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:  # as diffusers' @apply_lora_scale wraps forwards
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class Decorated(Plain):
+    @_decorate  # DECORATED
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x).relu()
 
 
@@ -160,6 +175,21 @@ def test_recompile_on_a_new_batch_size() -> None:
     assert "size mismatch at index 0" in row.reason and "expected 1, actual 3" in row.reason
     assert "mark_dynamic" in row.remedy and "dynamic=True" in row.remedy
     assert report.breaks == [] and report.exit_code == 0 and report.fullgraph_ok is True
+
+
+@pytest.mark.parametrize("how", ["module", "method"])
+def test_recompile_of_a_decorated_forward_names_the_forward(how: str) -> None:
+    model = Decorated()
+    compiled = torch.compile(model, backend="eager") if how == "module" else torch.compile(model.forward, backend="eager")
+
+    def workload() -> None:
+        compiled(torch.randn(1, 4))
+        compiled(torch.randn(3, 4))
+
+    [row] = torchpatches.doctor(workload).recompiles
+    assert (row.function, os.path.realpath(row.file), row.line) == (
+        "Decorated.forward", os.path.realpath(__file__), _line_of("DECORATED")
+    )
 
 
 def test_marked_dynamic_does_not_recompile() -> None:

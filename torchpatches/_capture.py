@@ -148,7 +148,7 @@ def _compiled_function(frame: Any) -> Tuple[str, str, int]:
     code = frame.f_code
     found = (clean_function_name(getattr(code, "co_qualname", code.co_name)), code.co_filename, code.co_firstlineno)
     if f"{os.sep}_dynamo{os.sep}" not in code.co_filename:
-        return found
+        return _decorated_forward(frame, code) or found
     try:
         wrapped = frame.f_locals.get("fn")
     except Exception:  # noqa: BLE001
@@ -169,6 +169,25 @@ def _compiled_function(frame: Any) -> Tuple[str, str, int]:
         return found
     name = getattr(forward_code, "co_qualname", forward_code.co_name)
     return name, forward_code.co_filename, forward_code.co_firstlineno
+
+
+def _decorated_forward(frame: Any, code: Any) -> Optional[Tuple[str, str, int]]:
+    """The forward a decorator wraps, when the recompiled frame is that decorator's wrapper.
+
+    diffusers wraps many model forwards in ``@apply_lora_scale`` (``functools.wraps``): the frame Dynamo
+    compiles is the wrapper in peft_utils.py, yet the user's question is about the model's ``forward``.
+    """
+    try:
+        owner = frame.f_locals.get("self")
+        forward = getattr(type(owner), "forward", None) if owner is not None else None
+        if forward is None or getattr(forward, "__code__", None) is not code:
+            return None
+        inner = getattr(inspect.unwrap(forward), "__code__", None)
+    except Exception:  # noqa: BLE001 - odd objects: keep the frame's own name
+        return None
+    if inner is None or inner is code:
+        return None
+    return getattr(inner, "co_qualname", inner.co_name), inner.co_filename, inner.co_firstlineno
 
 
 def _record_recompile(frame: Any, reasons: Any) -> None:
