@@ -474,3 +474,11 @@ def test_api_after_the_users_own_reset() -> None:
     torch._dynamo.reset()
     report = torchpatches.doctor(compiled, torch.ones(2, 4))  # a compiled module: the doctor compiles its original
     assert [(r.line, r.status) for r in report.breaks] == [(_line_of("ITEM"), "open")]
+
+
+def test_a_recompiled_replacement_is_named_by_the_def_in_its_file() -> None:
+    """A patch's replacement is a copy compiled inside a factory; its code says "_torchpatches_factory.<locals>"."""
+    event = _capture.Recompile("_torchpatches_factory.<locals>.forward", __file__, _line_of("DECORATED"),
+                               ("tensor 'x' size mismatch at index 0. expected 1, actual 3",))
+    [row] = _doctor._recompile_rows([event])
+    assert row.function == "Decorated.forward" and "mark_dynamic" in row.remedy

@@ -274,7 +274,10 @@ def _recompile_rows(events: Sequence[Recompile]) -> List[RecompileRow]:
     grouped: Dict[Tuple[str, str, int, str], int] = {}
     for event in events:
         reason = _clean_reason(event.reasons[0]) if event.reasons else "unknown (Dynamo gave no guard failure)"
-        name = event.function if "." in event.function else enclosing_function(event.file, event.line) or event.function
+        # A bare name, or a copy compiled inside a factory (a patch's replacement: "_torchpatches_factory.<locals>.
+        # forward"): name it by the def around its first line in the file, as the user reads it.
+        plain = "." in event.function and "<locals>" not in event.function
+        name = event.function if plain else enclosing_function(event.file, event.line) or event.function
         key = (name, event.file, event.line, reason)
         grouped[key] = grouped.get(key, 0) + 1
     return [RecompileRow(f, file, line, reason, _remedy(reason), n) for (f, file, line, reason), n in grouped.items()]
