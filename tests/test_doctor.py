@@ -482,3 +482,15 @@ def test_a_recompiled_replacement_is_named_by_the_def_in_its_file() -> None:
                                ("tensor 'x' size mismatch at index 0. expected 1, actual 3",))
     [row] = _doctor._recompile_rows([event])
     assert row.function == "Decorated.forward" and "mark_dynamic" in row.remedy
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("torch_dynamo_resume_in_forward_at_737", "forward"),
+        ("FluxTransformer2DModel.torch_dynamo_resume_in_forward_at_737", "FluxTransformer2DModel.forward"),
+        ("FluxTransformer2DModel.forward", "FluxTransformer2DModel.forward"),
+    ],
+)
+def test_resume_functions_are_named_by_the_function_they_resume(name: str, expected: str) -> None:
+    assert _capture.clean_function_name(name) == expected

@@ -77,13 +77,17 @@ class Capture:
         self._graphs_at_start: Optional[int] = None
 
 
-_RESUME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+_RESUME = re.compile(r"^(?:(.+)\.)?torch_dynamo_resume_in_(.+)_at_\d+$")
 
 
 def clean_function_name(name: str) -> str:
-    """Dynamo's resume functions (``torch_dynamo_resume_in_forward_at_737``) by the function they resume."""
+    """Dynamo's resume functions (``torch_dynamo_resume_in_forward_at_737``, qualified by their class on
+    Python 3.11+: ``FluxTransformer2DModel.torch_dynamo_resume_in_forward_at_737``) by the function they resume."""
     match = _RESUME.match(name)
-    return match.group(1) if match else name
+    if not match:
+        return name
+    owner, function = match.groups()
+    return f"{owner}.{function}" if owner else function
 
 
 def _frames(stack: Any) -> Tuple[Frame, ...]:
