@@ -42,7 +42,7 @@ def _loud(original: Callable[[str], str]) -> Callable[[str], str]:
 def _same_source_copy(original: Any) -> Any:
     """A replacement compiled from the original's own source, file and lines (as compile_warnings
     makes them), with one global rebound: reading the file at its code's lines finds the original."""
-    from torchpatches._warning_sites import rebind_globals
+    from torchpatches.patches.compile_warnings._rebind import rebind_globals
 
     return rebind_globals(original, {"PREFIX": "HEY "})
 

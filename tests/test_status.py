@@ -76,3 +76,13 @@ def test_status_is_a_mapping_with_a_table() -> None:
     ]
     assert str(status["rope"]) == "rope: applied — 1/1 target(s) patched"
     assert str(A) == "applied" and A == "applied"
+
+
+def test_a_lazy_table_not_built_yet_waits_for_its_module() -> None:
+    """No targets yet: the patch waits for the module whose import builds them (and previews the gate)."""
+    waiting = summarise((), wanted=True, off_reason="", gate_reason=None, table_waits_for="diffusers")
+    assert waiting == (P, "waits for diffusers to be imported")
+    refused = summarise((), wanted=True, off_reason="", gate_reason=None, table_waits_for="diffusers",
+                        preview_gate=lambda: "torch 2.10 is outside torch>=2.11")
+    assert refused == (S, "torch 2.10 is outside torch>=2.11")
+    assert summarise((), wanted=False, off_reason="off", gate_reason=None, table_waits_for="diffusers") == (D, "off")

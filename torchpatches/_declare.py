@@ -1,9 +1,10 @@
 """What a patch file declares. The registry reads these; patch files hold no state of their own."""
 from __future__ import annotations
 
-from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple
+import threading
+from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple, Union
 
-__all__ = ["Patch", "Target", "Site"]
+__all__ = ["Patch", "Target", "Site", "LazyTargets"]
 
 
 class _Frozen:
@@ -117,6 +118,29 @@ def _str_collection(value: Any, what: str) -> Tuple[str, ...]:
     return items
 
 
+class LazyTargets(_Frozen):
+    """A patch's targets, declared by ``build()`` when they are first needed instead of at import.
+
+    For long tables whose declaration would make ``import torchpatches`` slower (compile_warnings: 71
+    targets in diffusers). Every target must be in ``module`` or below it. The registry builds the
+    table right after ``module`` is first imported (or at once when it already is); until then the
+    patch is pending on ``module`` and its status lists no targets. Reading :attr:`Patch.targets`
+    builds it too (the doctor and the tools do).
+    """
+
+    __slots__ = ("module", "build")
+
+    def __init__(self, module: str, build: Callable[[], Tuple[Target, ...]]) -> None:
+        if not isinstance(module, str) or not module or ":" in module:
+            raise ValueError(f"the module of lazy targets must be a module name, got {module!r}")
+        if not callable(build):
+            raise ValueError(f"build of the targets in {module!r} must be callable")
+        self._set(module=module, build=build)
+
+
+_build_lock = threading.Lock()  # a lazy table is built once, also when two threads read it together
+
+
 class Patch(_Frozen):
     """A named, gated, reversible set of targets.
 
@@ -130,15 +154,17 @@ class Patch(_Frozen):
     (a check that is not a version or a fingerprint; it runs last).
     ``inductor_cache_key`` is set by patches that change what Inductor generates without changing
     the FX graph: while they are applied, their name and fingerprint enter Inductor's cache key.
+    ``targets`` may be :class:`LazyTargets`: built on first use (``lazy_targets`` keeps the declaration).
     """
 
-    __slots__ = ("name", "summary", "targets", "requires", "verifies", "precondition", "inductor_cache_key")
+    __slots__ = ("name", "summary", "_targets", "lazy_targets", "requires", "verifies", "precondition",
+                 "inductor_cache_key")
 
     def __init__(
         self,
         name: str,
         summary: str,
-        targets: Tuple[Target, ...],
+        targets: Union[Tuple[Target, ...], Target, LazyTargets],
         requires: Optional[Mapping[str, str]] = None,
         precondition: Optional[Callable[[], Optional[str]]] = None,
         inductor_cache_key: bool = False,
@@ -148,10 +174,9 @@ class Patch(_Frozen):
             raise ValueError(f"patch name {name!r} must be a lower-case identifier")
         if name == "all":
             raise ValueError("'all' is reserved for TORCHPATCHES_DISABLE")
-        if isinstance(targets, Target):
-            targets = (targets,)
-        if not targets or not all(isinstance(target, Target) for target in targets):
-            raise ValueError(f"patch {name!r} needs a tuple of Target objects, got {targets!r}")
+        lazy = targets if isinstance(targets, LazyTargets) else None
+        if lazy is None:
+            targets = _target_tuple(name, targets)
         if requires is not None and not (isinstance(requires, Mapping) and all(
                 isinstance(k, str) and isinstance(v, str) for k, v in requires.items())):
             raise ValueError(f"requires of patch {name!r} must map module names to specifier str, got {requires!r}")
@@ -164,5 +189,36 @@ class Patch(_Frozen):
                 raise ValueError(f"verified path {path!r} must be 'module:qualname'")
             if not fingerprints:
                 raise ValueError(f"verified path {path!r} needs at least one fingerprint")
-        self._set(name=name, summary=summary, targets=tuple(targets), requires=dict(requires or {}),
-                  verifies=verifies, precondition=precondition, inductor_cache_key=inductor_cache_key)
+        self._set(name=name, summary=summary, _targets=None if lazy else targets, lazy_targets=lazy,
+                  requires=dict(requires or {}), verifies=verifies, precondition=precondition,
+                  inductor_cache_key=inductor_cache_key)
+
+    @property
+    def targets(self) -> Tuple[Target, ...]:
+        """The targets; lazy ones are built by this first read (ValueError when the table is not valid)."""
+        built = self._targets
+        if built is None:
+            with _build_lock:
+                built = self._targets
+                if built is None:
+                    lazy = self.lazy_targets
+                    built = _target_tuple(self.name, lazy.build(), under=lazy.module)
+                    self._set(_targets=built)
+        return built
+
+    @property
+    def targets_built(self) -> bool:
+        """False while lazy targets wait to be built."""
+        return self._targets is not None
+
+
+def _target_tuple(name: str, targets: Any, under: str = "") -> Tuple[Target, ...]:
+    """``targets`` as a non-empty tuple of :class:`Target` (in ``under`` or below it, if given); else ValueError."""
+    if isinstance(targets, Target):
+        targets = (targets,)
+    if not targets or not all(isinstance(target, Target) for target in targets):
+        raise ValueError(f"patch {name!r} needs a tuple of Target objects, got {targets!r}")
+    outside = [t.path for t in targets if under and t.module != under and not t.module.startswith(under + ".")]
+    if outside:
+        raise ValueError(f"lazy targets of patch {name!r} must be in {under} or below it, not {', '.join(outside)}")
+    return tuple(targets)

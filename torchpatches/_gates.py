@@ -1,10 +1,13 @@
-"""Version gates and fingerprints: how a patch proves its target is what it was written against."""
+"""Version gates and fingerprints: how a patch proves its target is what it was written against.
+
+Needed once a target's module has loaded, so it is imported then, not by ``import torchpatches``
+(whether a required package is installed at all is :func:`torchpatches._import_hooks.not_installed_reason`).
+"""
 from __future__ import annotations
 
 import __future__
 import hashlib
 import importlib.metadata
-import importlib.util
 import inspect
 import sys
 import textwrap
@@ -17,8 +20,8 @@ if TYPE_CHECKING:
 # packaging is imported inside the functions that need it: its regexes cost ~20 ms to compile,
 # and importing torchpatches must stay cheap (versions are only read once a target loads).
 
-__all__ = ["fingerprint", "SourceMismatch", "installed_version", "is_installed", "not_installed_reason",
-           "release_version", "check_requirements"]
+__all__ = ["fingerprint", "future_flags", "SourceMismatch", "installed_version", "release_version",
+           "check_requirements"]
 
 #: Distribution names of importable packages whose names differ from the module's.
 DISTRIBUTIONS = {"flashinfer": "flashinfer-python"}
@@ -110,16 +113,22 @@ def _compiles_to(raw_source: str, code: types.CodeType, globals_: Mapping[str, A
         if level == 0 and free:  # at the indentation of the statement that follows it in that body
             lines.append(" " * (1 if classes else indent) + " = ".join(free) + " = None")
     lines.append(raw_source if headers else textwrap.dedent(raw_source))
+    try:
+        compiled = compile("\n".join(lines), code.co_filename, "exec", flags=future_flags(globals_),
+                           dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return False
+    return any(_same_code(candidate, code) for candidate in _code_objects(compiled) if candidate.co_name == code.co_name)
+
+
+def future_flags(globals_: Mapping[str, Any]) -> int:
+    """The compiler flags of the ``from __future__`` imports in a module's globals (to compile its code again)."""
     flags = 0
     for feature_name in __future__.all_feature_names:
         feature = getattr(__future__, feature_name)
         if globals_.get(feature_name) is feature:
             flags |= feature.compiler_flag
-    try:
-        compiled = compile("\n".join(lines), code.co_filename, "exec", flags=flags, dont_inherit=True)
-    except (SyntaxError, ValueError):
-        return False
-    return any(_same_code(candidate, code) for candidate in _code_objects(compiled) if candidate.co_name == code.co_name)
+    return flags
 
 
 def _code_objects(code: types.CodeType) -> List[types.CodeType]:
@@ -193,26 +202,6 @@ def installed_version(module: str) -> Optional[str]:
         return importlib.metadata.version(DISTRIBUTIONS.get(module, module))
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def is_installed(module: str) -> bool:
-    """Whether top-level ``module`` can be imported, without importing it (a few stat calls)."""
-    return not_installed_reason(module) is None
-
-
-def not_installed_reason(module: str) -> Optional[str]:
-    """None if top-level ``module`` is importable (or imported), else a sentence saying why not.
-
-    Never raises: an import-policy finder on ``sys.meta_path`` may raise anything from
-    ``find_spec`` (PermissionError, RuntimeError...), and that must not break ``import torchpatches``.
-    """
-    if module in sys.modules:
-        return None
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except Exception as error:  # noqa: BLE001 - see the docstring
-        return f"cannot tell whether {module} is installed: finding it raised {type(error).__name__}: {error}"
-    return None if found else f"{module} is not installed"
 
 
 def release_version(version: str) -> "Version":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import logging
 import sys
 import threading
@@ -28,12 +29,28 @@ logger = logging.getLogger("torchpatches")
 
 Callback = Callable[[object], None]
 
-__all__ = ["when_imported", "on_every_load", "is_imported", "missing_submodule"]
+__all__ = ["when_imported", "on_every_load", "is_imported", "missing_submodule", "not_installed_reason"]
 
 _lock = threading.RLock()
 _callbacks: Dict[str, List[Callback]] = {}
 _every_load: Dict[str, List[Callback]] = {}
 _resolving = threading.local()
+
+
+def not_installed_reason(module: str) -> Optional[str]:
+    """None if top-level ``module`` is importable (or imported), else a sentence saying why not.
+
+    Never imports it (a few stat calls). Never raises: an import-policy finder on ``sys.meta_path`` may
+    raise anything from ``find_spec`` (PermissionError, RuntimeError...), and that must not break
+    ``import torchpatches``.
+    """
+    if module in sys.modules:
+        return None
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        return f"cannot tell whether {module} is installed: finding it raised {type(error).__name__}: {error}"
+    return None if found else f"{module} is not installed"
 
 
 def missing_submodule(name: str) -> Optional[str]:

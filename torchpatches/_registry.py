@@ -12,9 +12,8 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
 
-from . import _gates
 from ._declare import Patch
-from ._import_hooks import is_imported, missing_submodule, on_every_load
+from ._import_hooks import is_imported, missing_submodule, not_installed_reason, on_every_load
 from ._slot import SkipTarget, Slot, verify_dependency
 from ._status import PatchState, PatchStatus, Status, TargetStatus, summarise
 
@@ -25,7 +24,11 @@ __all__ = ["Registry"]
 class _Entry:
     def __init__(self, patch: Patch) -> None:
         self.patch = patch
-        self.slots = [Slot(patch, target) for target in patch.targets]
+        lazy = patch.lazy_targets
+        #: The module whose import builds the patch's lazy target table; None once built (or not lazy).
+        self.table_waits_for: Optional[str] = None if lazy is None or patch.targets_built else lazy.module
+        self.table_error: Optional[str] = None  # why the lazy table did not build
+        self.slots = [] if self.table_waits_for else [Slot(patch, target) for target in patch.targets]
         self.wanted = False
         self.off_reason = "not applied yet"
         self.gate_reason: Optional[str] = None
@@ -123,8 +126,30 @@ class Registry:
         entry.early_gated = entry.gate_reason is not None
         if entry.early_gated:
             return  # the target modules stay watched: a package installed later still gets patched
+        self._build_table(entry)
         for slot in entry.slots:
             self._converge(entry, slot)
+
+    def _build_table(self, entry: _Entry, loading: Optional[str] = None) -> bool:
+        """Build a lazy target table once its module is imported (``loading``: its body just ran, so it
+        does not count as imported yet). True when the slots were made by this call."""
+        module_name = entry.table_waits_for
+        if module_name is None or (module_name != loading and not is_imported(module_name)):
+            return False
+        entry.table_waits_for = None
+        try:
+            targets = entry.patch.targets
+        except Exception as error:  # a broken table fails its patch, never the user's import
+            entry.table_error = f"its target table did not build: {type(error).__name__}: {error}"
+            logger.warning("torchpatches: patch %s: %s", entry.patch.name, entry.table_error, exc_info=True)
+            return False
+        entry.slots = [Slot(entry.patch, target) for target in targets]
+        if entry.wanted:
+            self._follow_loads(entry)
+        else:
+            for slot in entry.slots:
+                slot.set(PatchState.DISABLED, entry.off_reason)
+        return True
 
     def _converge(self, entry: _Entry, slot: Slot, module: Any = None) -> None:
         """For a wanted patch: make this slot's replacement what the target holds, if it can be.
@@ -154,8 +179,8 @@ class Registry:
         The hook holds the registry weakly: a registry replaced by ``reload(torchpatches)`` stops acting.
         """
         me = weakref.ref(self)
-        for slot in entry.slots:
-            name = slot.target.module
+        modules = [slot.target.module for slot in entry.slots] + [entry.table_waits_for or ""]
+        for name in filter(None, modules):
             if name not in self._watched:
                 self._watched.add(name)
                 on_every_load(name, lambda module, n=name: _call_if_alive(me, n, module))
@@ -164,33 +189,40 @@ class Registry:
         """Right after the body of ``module_name`` ran (it is still marked as initializing then)."""
         with self._lock:
             for entry in self._entries.values():
-                if not entry.wanted or not any(slot.target.module == module_name for slot in entry.slots):
+                concerned = entry.table_waits_for == module_name or any(
+                    slot.target.module == module_name for slot in entry.slots)
+                if not entry.wanted or not concerned or self._still_early_gated(entry):
                     continue
-                if entry.early_gated:
-                    entry.gate_reason = self._early_gate(entry.patch)
-                    entry.early_gated = entry.gate_reason is not None
-                    if entry.early_gated:
-                        continue
+                built = self._build_table(entry, loading=module_name)
                 for slot in entry.slots:
                     if slot.target.module == module_name:
                         self._converge(entry, slot, module)
+                    elif built:
+                        self._converge(entry, slot)
+
+    def _still_early_gated(self, entry: _Entry) -> bool:
+        """Judge the early gate again if it said no (a package may have been installed since)."""
+        if entry.early_gated:
+            entry.gate_reason = self._early_gate(entry.patch)
+            entry.early_gated = entry.gate_reason is not None
+        return entry.early_gated
 
     def _catch_up(self) -> None:
         """Before reporting: targets whose module arrived without the import hook (a stub put in
-        ``sys.modules`` by hand, a class loader), and packages installed since the early gate said no."""
+        ``sys.modules`` by hand, a class loader), packages installed since the early gate said no, and
+        lazy tables whose module is imported (also of patches that are off: their targets are listed)."""
         for entry in self._entries.values():
             if not entry.wanted:
+                self._build_table(entry)
                 continue
-            if entry.early_gated:
-                entry.gate_reason = self._early_gate(entry.patch)
-                entry.early_gated = entry.gate_reason is not None
-                if entry.early_gated:
-                    continue
-                if entry.gate_reason is None:
-                    for slot in entry.slots:
-                        if slot.state is not PatchState.APPLIED:
-                            self._converge(entry, slot)
-                    continue
+            was_gated = entry.early_gated
+            if self._still_early_gated(entry):
+                continue
+            if self._build_table(entry) or was_gated:
+                for slot in entry.slots:
+                    if slot.state is not PatchState.APPLIED:
+                        self._converge(entry, slot)
+                continue
             for slot in entry.slots:
                 if slot.state is PatchState.PENDING and (
                     is_imported(slot.target.module) or missing_submodule(slot.target.module) is not None
@@ -230,7 +262,7 @@ class Registry:
         ``packaging`` and distribution metadata off the import path of torchpatches.
         """
         for module, spec in patch.requires.items():
-            missing = _gates.not_installed_reason(module)
+            missing = not_installed_reason(module)
             if missing is not None:
                 return f"{missing} (needs {module}{spec})"
         return None
@@ -239,6 +271,8 @@ class Registry:
     def _full_gate(patch: Patch) -> Optional[str]:
         """Why the patch must be skipped now that a target's package is imported, or None: the
         version gate, then the fingerprints of the code it ``verifies``, then its ``precondition``."""
+        from . import _gates  # imported once a target's module loads (it is not needed before)
+
         reason = _gates.check_requirements(patch.requires)
         if reason is not None:
             return reason
@@ -279,6 +313,8 @@ class Registry:
     # ---- reporting --------------------------------------------------------------------------
 
     def _status_of(self, entry: _Entry) -> PatchStatus:
+        if entry.wanted and entry.table_error is not None:
+            return PatchStatus(entry.patch.name, PatchState.FAILED, entry.table_error, entry.patch.summary, ())
         targets = tuple(self._target_truth(entry, slot) for slot in entry.slots)
         if not entry.wanted and any(t.state is PatchState.APPLIED for t in targets):
             reason = "; ".join(t.reason for t in targets if t.state is PatchState.APPLIED)
@@ -288,9 +324,8 @@ class Registry:
             wanted=entry.wanted,
             off_reason=entry.off_reason,
             gate_reason=entry.gate_reason,
-            preview_gate=lambda: _gates.check_requirements(
-                {module: spec for module, spec in entry.patch.requires.items() if module in sys.modules}
-            ),
+            preview_gate=lambda: _gate_of_imported(entry.patch),
+            table_waits_for=entry.table_waits_for,
         )
         if state is PatchState.APPLIED and entry.patch.inductor_cache_key:
             from . import _cache_key
@@ -313,6 +348,13 @@ class Registry:
                                 f"{path}: torchpatches' replacement is in place again (someone put it back "
                                 "after revert()); torchpatches.revert() takes it out")
         return slot.status()
+
+
+def _gate_of_imported(patch: Patch) -> Optional[str]:
+    """The version gate judged on the required packages imported so far (``status()`` previews it)."""
+    from . import _gates
+
+    return _gates.check_requirements({module: spec for module, spec in patch.requires.items() if module in sys.modules})
 
 
 def _is_iterable(value: Any) -> bool:

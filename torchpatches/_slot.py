@@ -23,7 +23,6 @@ import logging
 import sys
 from typing import Any, Callable, List, Mapping, Optional, Set, Tuple
 
-from . import _gates
 from ._declare import Patch, Target
 from ._import_hooks import is_imported, when_imported
 from ._status import PatchState, TargetStatus
@@ -122,6 +121,8 @@ def find(module: Any, path: str) -> Tuple[Any, str, Any, bool]:
 
 def verify(path: str, obj: Any, fingerprints: frozenset) -> str:
     """The fingerprint of ``obj`` if it is one of ``fingerprints``; else :class:`SkipTarget` saying why not."""
+    from . import _gates  # fingerprinting (inspect, dis) is needed once a target's module loads, not before
+
     try:
         found = _gates.fingerprint(obj)
     except (OSError, TypeError) as error:

@@ -87,6 +87,7 @@ def summarise(
     off_reason: str,
     gate_reason: Optional[str],
     preview_gate: Callable[[], Optional[str]] = _no_gate,
+    table_waits_for: Optional[str] = None,
 ) -> Tuple[PatchState, str]:
     """The state and reason of a patch from the states of its targets.
 
@@ -94,6 +95,8 @@ def summarise(
     its version gate or a verified dependency refused it, once a target's module loaded.
     ``preview_gate()`` judges the version gate from the packages imported so far; it is asked only
     while every target still waits for its module (it may import ``packaging``, so not eagerly).
+    ``table_waits_for``: the module whose import builds the patch's lazy target table (then there are
+    no targets yet, and the patch waits for that module).
     """
     if not wanted:
         return PatchState.DISABLED, off_reason
@@ -108,14 +111,15 @@ def summarise(
     if applied:
         parts = [f"{len(applied)}/{len(targets)} target(s) patched"]
         if waiting:
-            parts.append(f"waiting for {_modules_phrase(waiting)}")
+            parts.append(f"waiting for {_modules_phrase([t.module for t in waiting])}")
         parts += _skipped_phrase(skipped)
         return PatchState.APPLIED, "; ".join(parts)
-    if waiting:
+    if waiting or table_waits_for:
         previewed = preview_gate()
         if previewed is not None:
             return PatchState.SKIPPED, previewed
-        notes = [f"waits for {_modules_phrase(waiting)} to be imported"] + _skipped_phrase(skipped)
+        modules = [table_waits_for] if table_waits_for else [t.module for t in waiting]
+        notes = [f"waits for {_modules_phrase(modules)} to be imported"] + _skipped_phrase(skipped)
         return PatchState.PENDING, "; ".join(notes)
     if skipped:
         return PatchState.SKIPPED, "; ".join(_skipped_phrase(skipped))
@@ -131,8 +135,8 @@ def _skipped_phrase(targets: Sequence[TargetStatus], shown: int = 3) -> List[str
     return reasons[:shown] + [f"and {len(reasons) - shown} more skipped target(s) (PatchStatus.targets lists each)"]
 
 
-def _modules_phrase(targets: Sequence[TargetStatus], shown: int = 2) -> str:
-    modules = sorted({target.module for target in targets})
+def _modules_phrase(names: Iterable[str], shown: int = 2) -> str:
+    modules = sorted(set(names))
     if len(modules) <= shown:
         return " and ".join(modules)
     return f"{', '.join(modules[:shown])} and {len(modules) - shown} more"

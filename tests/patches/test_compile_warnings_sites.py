@@ -4,7 +4,7 @@ tools/warning_sites.py scans the installed diffusers (AST, from the forward of e
 ``diffusers.models.transformers.*`` through blocks, attention modules, processors and decorators) for
 ``logger.<method>``, ``warnings.warn``, ``deprecate(`` and ``print`` calls. Each one compiled code reaches
 must be a declared site of a ``compile_warnings`` target; each one it does not reach must be in
-``compile_warnings.NOT_COVERED`` with a reason. A diffusers release that adds a site fails here.
+``_table.NOT_COVERED`` with a reason. A diffusers release that adds a site fails here.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ pytest.importorskip("diffusers")
 import torchpatches  # noqa: E402,F401  (applies the patches)
 from torchpatches import _sites  # noqa: E402
 from torchpatches.patches import compile_warnings  # noqa: E402
+from torchpatches.patches.compile_warnings import _table  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
     "warning_sites", Path(__file__).resolve().parents[2] / "tools" / "warning_sites.py"
@@ -85,7 +86,7 @@ def test_every_forward_site_is_patched(inventory, declared) -> None:
 
 
 def test_every_other_site_is_listed_with_a_reason(inventory) -> None:
-    listed = {(compile_warnings._module(m), q, call) for m, q, call, why in compile_warnings.NOT_COVERED if why}
+    listed = {(_table._module(m), q, call) for m, q, call, why in _table.NOT_COVERED if why}
     missing = [
         f"{site.file}:{site.line} {site.call} in {site.function}"
         for site in inventory.elsewhere
@@ -105,7 +106,7 @@ def test_declarations_are_not_stale(inventory, declared) -> None:
     # A declared site line the scan did not list (a decorator's site declared on a forward it does not wrap, say).
     assert not extra, f"declared site lines the scan does not reach: {extra}"
     elsewhere = {(*_module_and_qualname(s.function), s.call) for s in inventory.elsewhere}
-    listed = [(compile_warnings._module(m), q, call) for m, q, call, _ in compile_warnings.NOT_COVERED]
+    listed = [(_table._module(m), q, call) for m, q, call, _ in _table.NOT_COVERED]
     assert [entry for entry in listed if entry not in elsewhere] == []
 
 
@@ -114,7 +115,7 @@ def test_inventory_numbers(inventory) -> None:
     lora = [site for site in inventory.sites if site.file == "utils/peft_utils.py"]
     assert len(inventory.sites) == 77 and len(lora) == 40
     assert len({site.function for site in inventory.sites}) == len(compile_warnings.PATCH.targets) == 71
-    assert len(inventory.elsewhere) == len(compile_warnings.NOT_COVERED) == 8
+    assert len(inventory.elsewhere) == len(_table.NOT_COVERED) == 8
     assert ("models/transformers/transformer_flux.py", 737) in {(s.file, s.line) for s in inventory.sites}
 
 

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from torchpatches.patches import _dynamo_warning_sites as sites  # noqa: E402
+from torchpatches.patches.compile_warnings import _probe as sites  # noqa: E402
 
 
 @pytest.fixture
