@@ -73,6 +73,7 @@ _SCALE_IGNORED = "`scale` in `cross_attention_kwargs` (deprecated, ignored)"
 _MIXED_SIZES = "a batch of differently sized images (`img_shapes` / `video_fhw`)"
 _IDS_3D = "3-D `img_ids`/`txt_ids` (deprecated form)"
 _EXTRA_ARGS = "extra positional arguments or `scale=` (deprecated)"
+_LOG, _DEPRECATE = "logger.warning", "deprecate"
 
 #: ``@apply_lora_scale`` forwards (their wrapper warns about ``scale`` without PEFT): (module, class,
 #: fingerprint of wrapper + forward, what the forward's own ``logger`` warns about or None).
@@ -119,42 +120,39 @@ _LORA_FORWARDS: Tuple[Tuple[str, str, Fingerprints, Optional[str]], ...] = (
     ("transformer_z_image", "ZImageTransformer2DModel", "c06c6945e543572f", None),
 )
 
-#: Functions whose own ``logger.warning`` breaks the graph: (module, qualname, fingerprint, when).
-_LOGGER_SITES: Tuple[Tuple[str, str, Fingerprints, str], ...] = (
-    ("diffusers.models.attention", "BasicTransformerBlock.forward", "9cfc6111a7fd5580", _SCALE_IGNORED),
-    ("diffusers.models.attention_processor", "Attention.forward", "d3822449559212cb", _UNEXPECTED),
-    ("transformer_2d", "Transformer2DModel.forward", ("7a3829f24ddbfdf3", "2008d01bcd13d317"), _SCALE_IGNORED),  # 0.40: no annotation
-    ("transformer_2d_dreamlite", "BasicTransformerBlockDreamLite.forward", "0e9a4641f8cc0075", _SCALE_IGNORED),
-    ("transformer_2d_dreamlite", "DreamLiteTransformer2DModel.forward", ("3c78e93d6dbfd296", "3fc2caca8d3dbd96"), _SCALE_IGNORED),  # 0.40: no annotation
-    ("transformer_bria", "BriaAttention.forward", "492c7eeb65bc6a4e", _UNEXPECTED),
-    ("transformer_bria_fibo", "BriaFiboAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
-    ("transformer_ernie_image", "ErnieImageAttention.forward", "9c90a5d96b592148", _UNEXPECTED),
-    ("transformer_flux2", "Flux2Attention.forward", "7c05eda1d782aa24", _UNEXPECTED),
-    ("transformer_flux2", "Flux2ParallelSelfAttention.forward", "7d9744609d245c93", _UNEXPECTED),
-    ("transformer_flux", "FluxAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
-    ("transformer_ideogram4", "Ideogram4Attention.forward", "9e82e6282931f899", _UNEXPECTED),
-    ("transformer_joyimage", "JoyImageAttention.forward", "1c9c639e98522c44", _UNEXPECTED),
-    ("transformer_kandinsky", "Kandinsky5Attention.forward", "8f52656e6317b9d2", _UNEXPECTED),
-    ("transformer_krea2", "Krea2Attention.forward", "9e82e6282931f899", _UNEXPECTED),
-    ("transformer_longcat_image", "LongCatImageAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
-    ("transformer_ltx2", "LTX2Attention.forward", "f6a037079b264fd9", _UNEXPECTED),
-    ("transformer_ltx", "LTXAttention.forward", "1ea4c82063363893", _UNEXPECTED),
-    ("transformer_motif_video", "MotifVideoAttention.forward", "7c05eda1d782aa24", _UNEXPECTED),
-    ("transformer_motif_video", "MotifVideoTransformer3DModel.forward", "07fa6be52ee7dad3", "`scale` in the attention kwargs without the PEFT backend"),
-    ("transformer_nucleusmoe_image", "NucleusMoEEmbedRope.forward", "d002802563c8a936", _MIXED_SIZES),
-    ("transformer_ovis_image", "OvisImageAttention.forward", "d12ce2e9a0852e06", _UNEXPECTED),
-    ("transformer_qwenimage", "QwenEmbedLayer3DRope.forward", "e96e9709468af4d1", _MIXED_SIZES),
-    ("transformer_qwenimage", "QwenEmbedRope.forward", "b6d20a31bf7341f3", _MIXED_SIZES),
-    ("transformer_sana_wm_refiner", "SanaWMLTX2Attention.forward", "f6a037079b264fd9", _UNEXPECTED),
-)
-
-#: Functions calling ``deprecate(...)`` in forward: (module, qualname, fingerprint, when).
-_DEPRECATE_SITES: Tuple[Tuple[str, str, Fingerprints, str], ...] = (
-    ("diffusers.models.activations", "GEGLU.forward", ("dc945fffaaaf023e", "4a2cbfac97b29e60"), _EXTRA_ARGS),  # 0.40: no annotation
-    ("diffusers.models.attention", "FeedForward.forward", "2534be46672c7017", _EXTRA_ARGS),
-    ("diffusers.models.attention_processor", "AttnProcessor.__call__", "372459933681be64", _EXTRA_ARGS),
-    ("diffusers.models.attention_processor", "AttnProcessor2_0.__call__", "d5a292e89ccd77a2", _EXTRA_ARGS),
-    ("transformer_2d", "Transformer2DModelOutput.__init__", "31f248c266ad4d7a", "`return_dict=True` in DreamLite (it builds the deprecated `transformer_2d.Transformer2DModelOutput`)"),
+#: Functions whose own call breaks the graph: (module, qualname, call, fingerprint, when). A ``logger.warning``
+#: site gets its module's ``logger`` made compile-safe, a ``deprecate`` site a compile-safe ``deprecate()``.
+_OWN_SITES: Tuple[Tuple[str, str, str, Fingerprints, str], ...] = (
+    ("diffusers.models.attention", "BasicTransformerBlock.forward", _LOG, "9cfc6111a7fd5580", _SCALE_IGNORED),
+    ("diffusers.models.attention_processor", "Attention.forward", _LOG, "d3822449559212cb", _UNEXPECTED),
+    ("transformer_2d", "Transformer2DModel.forward", _LOG, ("7a3829f24ddbfdf3", "2008d01bcd13d317"), _SCALE_IGNORED),  # 0.40: no annotation
+    ("transformer_2d_dreamlite", "BasicTransformerBlockDreamLite.forward", _LOG, "0e9a4641f8cc0075", _SCALE_IGNORED),
+    ("transformer_2d_dreamlite", "DreamLiteTransformer2DModel.forward", _LOG, ("3c78e93d6dbfd296", "3fc2caca8d3dbd96"), _SCALE_IGNORED),  # 0.40: no annotation
+    ("transformer_bria", "BriaAttention.forward", _LOG, "492c7eeb65bc6a4e", _UNEXPECTED),
+    ("transformer_bria_fibo", "BriaFiboAttention.forward", _LOG, "d12ce2e9a0852e06", _UNEXPECTED),
+    ("transformer_ernie_image", "ErnieImageAttention.forward", _LOG, "9c90a5d96b592148", _UNEXPECTED),
+    ("transformer_flux2", "Flux2Attention.forward", _LOG, "7c05eda1d782aa24", _UNEXPECTED),
+    ("transformer_flux2", "Flux2ParallelSelfAttention.forward", _LOG, "7d9744609d245c93", _UNEXPECTED),
+    ("transformer_flux", "FluxAttention.forward", _LOG, "d12ce2e9a0852e06", _UNEXPECTED),
+    ("transformer_ideogram4", "Ideogram4Attention.forward", _LOG, "9e82e6282931f899", _UNEXPECTED),
+    ("transformer_joyimage", "JoyImageAttention.forward", _LOG, "1c9c639e98522c44", _UNEXPECTED),
+    ("transformer_kandinsky", "Kandinsky5Attention.forward", _LOG, "8f52656e6317b9d2", _UNEXPECTED),
+    ("transformer_krea2", "Krea2Attention.forward", _LOG, "9e82e6282931f899", _UNEXPECTED),
+    ("transformer_longcat_image", "LongCatImageAttention.forward", _LOG, "d12ce2e9a0852e06", _UNEXPECTED),
+    ("transformer_ltx2", "LTX2Attention.forward", _LOG, "f6a037079b264fd9", _UNEXPECTED),
+    ("transformer_ltx", "LTXAttention.forward", _LOG, "1ea4c82063363893", _UNEXPECTED),
+    ("transformer_motif_video", "MotifVideoAttention.forward", _LOG, "7c05eda1d782aa24", _UNEXPECTED),
+    ("transformer_motif_video", "MotifVideoTransformer3DModel.forward", _LOG, "07fa6be52ee7dad3", "`scale` in the attention kwargs without the PEFT backend"),
+    ("transformer_nucleusmoe_image", "NucleusMoEEmbedRope.forward", _LOG, "d002802563c8a936", _MIXED_SIZES),
+    ("transformer_ovis_image", "OvisImageAttention.forward", _LOG, "d12ce2e9a0852e06", _UNEXPECTED),
+    ("transformer_qwenimage", "QwenEmbedLayer3DRope.forward", _LOG, "e96e9709468af4d1", _MIXED_SIZES),
+    ("transformer_qwenimage", "QwenEmbedRope.forward", _LOG, "b6d20a31bf7341f3", _MIXED_SIZES),
+    ("transformer_sana_wm_refiner", "SanaWMLTX2Attention.forward", _LOG, "f6a037079b264fd9", _UNEXPECTED),
+    ("diffusers.models.activations", "GEGLU.forward", _DEPRECATE, ("dc945fffaaaf023e", "4a2cbfac97b29e60"), _EXTRA_ARGS),  # 0.40: no annotation
+    ("diffusers.models.attention", "FeedForward.forward", _DEPRECATE, "2534be46672c7017", _EXTRA_ARGS),
+    ("diffusers.models.attention_processor", "AttnProcessor.__call__", _DEPRECATE, "372459933681be64", _EXTRA_ARGS),
+    ("diffusers.models.attention_processor", "AttnProcessor2_0.__call__", _DEPRECATE, "d5a292e89ccd77a2", _EXTRA_ARGS),
+    ("transformer_2d", "Transformer2DModelOutput.__init__", _DEPRECATE, "31f248c266ad4d7a", "`return_dict=True` in DreamLite (it builds the deprecated `transformer_2d.Transformer2DModelOutput`)"),
 )
 
 #: Warning sites in transformer modules that compiled code never reaches, so they break no graph:
@@ -188,19 +186,12 @@ def targets() -> Tuple[Target, ...]:
             fingerprints=_fingerprints(fingerprint),
             sites=sites,
         ))
-    for module, qualname, fingerprint, when in _LOGGER_SITES:
+    for module, qualname, call, fingerprint, when in _OWN_SITES:
         targets.append(Target(
             f"{_module(module)}:{qualname}",
-            make_replacement=rebind_logger(_module(module)),
+            make_replacement=rebind_logger(_module(module)) if call == _LOG else rebind_deprecate,
             fingerprints=_fingerprints(fingerprint),
-            sites=(Site("logger.warning", when),),
-        ))
-    for module, qualname, fingerprint, when in _DEPRECATE_SITES:
-        targets.append(Target(
-            f"{_module(module)}:{qualname}",
-            make_replacement=rebind_deprecate,
-            fingerprints=_fingerprints(fingerprint),
-            sites=(Site("deprecate", when),),
+            sites=(Site(call, when),),
         ))
     targets.append(Target(
         "diffusers.models.attention_dispatch:dispatch_attention_fn",
