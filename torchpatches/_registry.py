@@ -202,9 +202,11 @@ class Registry:
             return
         try:
             slot.locate(module)
-        except SkipTarget as skip:
-            slot.set(PatchState.SKIPPED, str(skip))
-            logger.info("torchpatches: %s skipped %s: %s", entry.patch.name, slot.target.path, skip)
+        except Exception as skip:  # noqa: BLE001 - SkipTarget, or anything verifying raised: skip, never raise
+            reason = str(skip) if isinstance(skip, SkipTarget) else (
+                f"cannot verify {slot.target.path} ({type(skip).__name__}: {skip}); not patching blindly")
+            slot.set(PatchState.SKIPPED, reason)
+            logger.info("torchpatches: %s skipped %s: %s", entry.patch.name, slot.target.path, reason)
             return
         try:
             slot.swap_in()
