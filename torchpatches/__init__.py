@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import traceback
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import _env
 from ._declare import Patch, Site, Target
@@ -50,16 +50,33 @@ __all__ = [
 Names = Union[str, Iterable[str], None]
 
 
-def _load_patches() -> Tuple[List[Patch], Dict[str, str]]:
+def _load_patches() -> Tuple[List[Patch], Dict[str, str], Dict[str, str]]:
+    """The patches, the patch files that failed to load, and those skipped: they import a package
+    (torch) that is not installed -- nothing to patch then, so not a failure."""
     patches: List[Patch] = []
     errors: Dict[str, str] = {}
+    skipped: Dict[str, str] = {}
     for module_name in PATCH_MODULES:
         try:
             module = importlib.import_module(f"{__name__}.patches.{module_name}")
             patches.append(module.PATCH)
         except Exception as error:  # one broken patch file must not take the others down
-            errors[module_name] = "".join(traceback.format_exception_only(type(error), error)).strip()
-    return patches, errors
+            missing = _not_installed(error)
+            if missing is not None:
+                skipped[module_name] = missing
+            else:
+                errors[module_name] = "".join(traceback.format_exception_only(type(error), error)).strip()
+    return patches, errors, skipped
+
+
+def _not_installed(error: BaseException) -> Optional[str]:
+    """Why a patch file could not load when it is for want of a package that is not installed, else None."""
+    name = getattr(error, "name", None) if isinstance(error, ImportError) else None
+    if not name:
+        return None
+    from . import _gates
+
+    return _gates.not_installed_reason(name.split(".", 1)[0])
 
 
 _registry = Registry(*_load_patches())
