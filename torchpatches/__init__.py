@@ -26,7 +26,7 @@ from ._status import PatchState, PatchStatus, Status, TargetStatus
 from .patches import PATCH_MODULES
 
 if TYPE_CHECKING:
-    from ._doctor import DoctorReport
+    from ._doctor_report import DoctorReport
 
 __version__ = "0.1.0.dev0"
 
@@ -168,11 +168,14 @@ def doctor(fn_or_module: Any, *args: Any, **kwargs: Any) -> "DoctorReport":
     ``fn_or_module`` is compiled with ``backend="eager"`` and called once; a zero-argument callable that
     is neither a module nor compiled is run as it is, capturing every compile inside it. Returns a
     ``DoctorReport``: ``str()`` is a table, ``.to_json()`` the stable form, ``.exit_code`` 0 when no
-    graph break remains. Calls ``torch._dynamo.reset()`` between its runs.
+    graph break remains (1 when breaks remain, 3 when nothing was compiled: not judged). Calls
+    ``torch._dynamo.reset()`` between its runs.
     """
-    from ._doctor import doctor as run  # lazily: the doctor is not part of the import path
+    import sys
 
-    return run(fn_or_module, *args, **kwargs)
+    from . import _doctor  # lazily: the doctor is not part of the import path
+
+    return _doctor.doctor(sys.modules[__name__], fn_or_module, args, kwargs)
 
 
 _apply(None)  # at import: every eligible patch, without building a status report
