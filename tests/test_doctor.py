@@ -409,7 +409,7 @@ def test_capture_restores_dynamo() -> None:
 
 
 def test_import_does_not_load_the_doctor() -> None:
-    code = "import sys, torchpatches; print([m for m in ('torchpatches._doctor', 'torchpatches._capture', 'torchpatches._sites') if m in sys.modules])"
+    code = "import sys, torchpatches; print([m for m in ('torchpatches._doctor', 'torchpatches._doctor_report', 'torchpatches._doctor_rows', 'torchpatches._doctor_script', 'torchpatches._capture', 'torchpatches._sites') if m in sys.modules])"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -181,8 +181,10 @@ def _spawn(mode: str, result: str, baseline: str, script: str, args: Sequence[st
     env = dict(os.environ)
     if mode == "without_patches":
         env["TORCHPATCHES_DISABLE"] = "all"
-    command = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c",  # type: ignore[attr-defined]
-               _BOOTSTRAP.format(root=_PACKAGE_PARENT), mode, result, baseline, script, *args]
+    # -O, -X, -W... as this interpreter was started (what multiprocessing's spawn passes on too)
+    flags = getattr(subprocess, "_args_from_interpreter_flags", list)()
+    command = [sys.executable, *flags, "-c", _BOOTSTRAP.format(root=_PACKAGE_PARENT), mode, result, baseline, script,
+               *args]
     process = subprocess.Popen(command, env=env, stdout=stdout, stdin=subprocess.PIPE if replay else None)
     if replay is not None:
         replay.feed(process.stdin)  # type: ignore[arg-type]
