@@ -566,6 +566,28 @@ def test_cli_each_run_is_a_fresh_python_and_json_stays_alone_on_stdout(tmp_path:
     assert data["verdict"] == "clean" and data["fullgraph_ok"] is True and done.returncode == 0
 
 
+def test_a_run_that_ends_with_os_exit_is_still_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each run's child does when the script ends its process with os._exit(n) to skip teardown."""
+    from torchpatches import _doctor_script
+
+    class Ended(BaseException):
+        pass
+
+    def real_exit(code: int) -> None:
+        raise Ended(code)
+
+    monkeypatch.setattr(os, "_exit", real_exit)
+    finished: List[Any] = []
+    errors: Dict[str, str] = {}
+    _doctor_script._finish_on_os_exit(finished.append, errors, "with_patches")
+    with pytest.raises(Ended), _capture.capture():
+        torch.compile(Plain(), backend="eager")(torch.ones(2, 4))
+        os._exit(3)
+    [captured] = finished
+    assert captured.graphs == 1 and errors == {"with_patches": "os._exit(3)"}
+    assert os._exit is real_exit  # the hook ran once and put the real one back
+
+
 def test_stdin_is_replayed_to_every_run_and_an_endless_stream_does_not_stall() -> None:
     from torchpatches._doctor_script import StdinReplay
 

@@ -74,10 +74,10 @@ def run(workload: Callable[[], Any], errors: Errors, name: str) -> Capture:
 
 
 @contextlib.contextmanager
-def watch_applies(registry: Any) -> Iterator[List[str]]:
+def watch_applies(registry: Any, turned_on: Optional[List[str]] = None) -> Iterator[List[str]]:
     """Names of the patches turned on while the block runs (``torchpatches.apply``/``only``/... all end in
     the registry's ``apply`` or ``restore``): in the baseline run, the workload patching it itself."""
-    turned_on: List[str] = []
+    turned_on = [] if turned_on is None else turned_on
 
     def watching(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
@@ -99,9 +99,11 @@ def watch_applies(registry: Any) -> Iterator[List[str]]:
         del registry.apply, registry.restore  # the instance attributes: the class's methods are back
 
 
-def run_unpatched(api: Any, workload: Callable[[], Any], errors: Errors) -> Tuple[Capture, List[str]]:
-    """The baseline: every patch reverted. Returns the capture and the patches the workload applied itself."""
-    with api.disabled(), watch_applies(api._registry) as applied:
+def run_unpatched(api: Any, workload: Callable[[], Any], errors: Errors,
+                  applied: Optional[List[str]] = None) -> Tuple[Capture, List[str]]:
+    """The baseline: every patch reverted. Returns the capture and the patches the workload applied itself
+    (also filled into ``applied`` as they come)."""
+    with api.disabled(), watch_applies(api._registry, applied) as applied:
         before = run(workload, errors, "without_patches")
     return before, applied
 

@@ -33,7 +33,7 @@ import threading
 from typing import Any, Callable, Dict, IO, List, Optional, Sequence, Union
 
 from . import _doctor
-from ._capture import Capture
+from ._capture import Capture, in_progress
 from ._doctor_report import DoctorReport
 
 __all__ = ["diagnose_script", "script_workload", "child_main", "StdinReplay"]
@@ -85,16 +85,46 @@ def child_main(api: Any, argv: List[str]) -> None:
     mode, result, baseline, script, *args = argv
     workload = script_workload(script, args)
     errors: _doctor.Errors = {}
+    applied: List[str] = []
+    before = _load(baseline) if baseline else {"capture": None, "errors": {}, "applied": []}
+
+    def finish(captured: Optional[Capture], trial: Optional[_doctor.Trial] = None) -> None:
+        captured = captured if captured is not None else Capture()
+        if mode == "without_patches":
+            _dump(result, {"capture": captured, "errors": errors, "applied": applied})
+        elif mode == "with_patches":
+            _dump(result, _doctor.build_report(api, script, before["capture"], captured,
+                                               {**before["errors"], **errors}, before["applied"]))
+        else:
+            _dump(result, trial or _doctor.Trial(captured, errors.get("fullgraph", "")))
+
+    _finish_on_os_exit(finish, errors, mode)
     if mode == "without_patches":
-        captured, applied = _doctor.run_unpatched(api, workload, errors)
-        _dump(result, {"capture": captured, "errors": errors, "applied": applied})
+        finish(_doctor.run_unpatched(api, workload, errors, applied)[0])
     elif mode == "with_patches":
-        before = _load(baseline) if baseline else {"capture": None, "errors": {}, "applied": []}
-        after = _doctor.run(workload, errors, "with_patches")
-        _dump(result, _doctor.build_report(api, script, before["capture"], after, {**before["errors"], **errors},
-                                           before["applied"]))
+        finish(_doctor.run(workload, errors, "with_patches"))
     else:
-        _dump(result, _doctor.fullgraph_trial(workload))
+        finish(None, _doctor.fullgraph_trial(workload))
+
+
+def _finish_on_os_exit(finish: Callable[[Optional[Capture]], None], errors: _doctor.Errors, mode: str) -> None:
+    """A script that ends with ``os._exit(n)`` (skipping teardown) still has its run reported: the result is
+    written from the capture in progress, then this process ends as the script asked. Not in processes
+    forked from it (multiprocessing's workers end with ``os._exit`` too)."""
+    real_exit, pid = os._exit, os.getpid()
+
+    def _exit(code: int) -> None:
+        if os.getpid() == pid:
+            os._exit = real_exit
+            try:
+                if code:
+                    errors.setdefault(mode, f"os._exit({code})")
+                finish(in_progress())
+            except BaseException:  # noqa: BLE001 - the script asked to end now: it ends
+                pass
+        real_exit(code)
+
+    os._exit = _exit
 
 
 # ---- stdin ----------------------------------------------------------------------------------------
