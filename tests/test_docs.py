@@ -170,3 +170,12 @@ def test_relative_links_resolve(document: Path) -> None:
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved.read_text(encoding="utf-8")):
             broken.append(f"{target}: no such heading in {resolved.name}")
     assert broken == []
+
+
+def test_a_broken_link_or_anchor_is_found(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text("# Title\n\n[ok](b.md#there) [gone](c.md) [bad](b.md#nowhere) `[code](x.md)`\n"
+                                   "```\n[fenced](y.md)\n```\n[web](https://example.org/z.md)\n")
+    (tmp_path / "b.md").write_text("## There\n")
+    found = {(target, resolved.exists(), anchor in anchors(resolved.read_text()) if resolved.exists() else None)
+             for target, resolved, anchor in relative_links(tmp_path / "a.md")}
+    assert found == {("b.md#there", True, True), ("c.md", False, None), ("b.md#nowhere", True, False)}
