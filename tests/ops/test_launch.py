@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -116,20 +117,24 @@ class _Triton:
         return c
 
 
-@pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Tuple[JITFunction, _Triton]:
-    """A probe kernel whose launches run on CPU tensors as if they were on CUDA device 0."""
+def _fake_cuda(mp: pytest.MonkeyPatch) -> Tuple[JITFunction, _Triton]:
+    """A probe kernel whose launches run on CPU tensors as if they were on CUDA device 0 (stream 1234)."""
     if not SUPPORTED:
         pytest.skip(f"triton {triton.__version__}: fast path off")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    mp.delenv("TRITON_INTERPRET", raising=False)
     kernel = _make_probe()
     tri = _Triton(kernel)
-    monkeypatch.setattr(kernel, "run", tri.run, raising=False)
-    monkeypatch.setattr(_launch, "_device_index", lambda t: 0)
-    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(_launch, "_raw_stream", lambda d: 1234)
+    mp.setattr(kernel, "run", tri.run, raising=False)
+    mp.setattr(_launch, "_device_index", lambda t: 0)
+    mp.setattr(_launch, "_current_device", lambda: 0)
+    mp.setattr(_launch, "_raw_stream", lambda d: 1234)
     _launch.clear()
-    yield kernel, tri
+    return kernel, tri
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Tuple[JITFunction, _Triton]:
+    yield _fake_cuda(monkeypatch)
     _launch.clear()
 
 
@@ -243,18 +248,9 @@ def test_float_and_bool_values_share_a_kernel(fake) -> None:
                           st.sampled_from(BOUNDARY_INTS[:20] + [48, 4096, 4097]), st.sampled_from([16, 24, 1]),
                           st.sampled_from([1, 2])), min_size=1, max_size=12))
 def test_random_sequences_always_run_tritons_kernel(calls: list) -> None:
-    if not SUPPORTED:
-        pytest.skip("fast path off")
-    mp = pytest.MonkeyPatch()
+    mp = pytest.MonkeyPatch()  # not the fixture: hypothesis runs many examples per test call
     try:
-        mp.delenv("TRITON_INTERPRET", raising=False)
-        kernel = _make_probe()
-        tri = _Triton(kernel)
-        mp.setattr(kernel, "run", tri.run, raising=False)
-        mp.setattr(_launch, "_device_index", lambda t: 0)
-        mp.setattr(_launch, "_current_device", lambda: 0)
-        mp.setattr(_launch, "_raw_stream", lambda d: 0)
-        _launch.clear()
+        kernel, tri = _fake_cuda(mp)
         buf = torch.zeros(128, dtype=torch.float32)
         for dtype, off, n, stride, mode in calls:
             x = buf.to(dtype)[off:off + 64]
@@ -270,22 +266,16 @@ def test_threads_share_one_cache(fake) -> None:
     kernel, tri = fake
     buf = torch.zeros(80, dtype=torch.bfloat16)
     cases = [_args(buf[o:o + 64], buf[:64], n=n) for o in (0, 1, 8) for n in (1, 16, 17, 2**31)]
-    errors: List[BaseException] = []
+    start = threading.Barrier(8)
 
     def work(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(300):
-                _launch_probe(kernel, tri, rng.choice(cases))
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
+        start.wait()
+        for _ in range(300):
+            _launch_probe(kernel, tri, rng.choice(cases))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(work, range(8)))  # re-raises a thread's exception
     assert len(tri.launches) == 8 * 300
     assert tri.compiles == len({tri.spec(*c, BLOCK=16, num_warps=4) for c in cases})  # each class once
     assert _launch.info(kernel)["compiles"] == tri.compiles
