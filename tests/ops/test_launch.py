@@ -356,6 +356,24 @@ def test_unusual_calls_fall_back_to_kernel_grid(fake, bad: str) -> None:
     assert info["exact"] == 0
 
 
+def test_dynamo_tracing_sees_only_kernel_grid(fake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While Dynamo traces, launch is kernel[grid] before touching any cache (Dynamo turns that call into
+    a Triton-kernel node; it could not trace the caches)."""
+    kernel, tri = fake
+    x = torch.zeros(64)
+    monkeypatch.setattr(_launch, "_is_compiling", lambda: True)
+
+    class Untouchable(dict):
+        def get(self, *a: Any) -> Any:
+            raise AssertionError("a cache was used while Dynamo traces")
+
+    monkeypatch.setattr(_launch, "_SITES", Untouchable())
+    for _ in range(2):
+        _launch_probe(kernel, tri, _args(x, x))
+    assert len(tri.launches) == 2 and tri.compiles == 1
+    _check_all(tri)
+
+
 def test_cpu_tensors_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     if not SUPPORTED:
         pytest.skip("fast path off")

@@ -24,11 +24,12 @@ dicts per argument-type pattern, with keys at least as fine as that, so equal ke
   without a trip through ``kernel.run``. tests/ops/test_launch.py checks it against the installed
   triton's ``native_specialize_impl``.
 
-Falls back to ``kernel[grid](...)`` (logged once per reason at DEBUG) for a kernel that is not a plain
-``JITFunction`` (interpreter, ``wrap_triton``, autotuner), a triton release other than those read for
-this module, ROCm, triton's interpreter switched on, CPU tensors, argument types other than tensor /
-int / float / bool / None, a constexpr passed by position, a grid that is not a tuple, launch hooks,
-pre-run hooks or a stages-inspection hook installed, a global the kernel uses that has changed (triton
+Falls back to ``kernel[grid](...)`` (logged once per reason at DEBUG) under Dynamo tracing (which turns
+``kernel[grid]`` into a graph node), for a kernel that is not a plain ``JITFunction`` (interpreter,
+``wrap_triton``, autotuner), a triton release other than those read for this module, ROCm, triton's
+interpreter switched on, CPU tensors, argument types other than tensor / int / float / bool / None, a
+constexpr passed by position, a grid that is not a tuple, launch hooks, pre-run hooks or a
+stages-inspection hook installed, a global the kernel uses that has changed (triton
 raises), and any exception while building a key or an entry. The device of the first tensor argument is
 made current around the launch (``kernel[grid]`` launches on the current device); the stream is that
 device's current stream, as in triton. Not noticed, as in Inductor's launchers: a kernel source swapped
@@ -67,6 +68,8 @@ _HookChain = getattr(knobs, "HookChain", None)
 # A knob JITFunction.run puts in the compile options from 3.9 on.
 _HAS_FPSAN = knobs is not None and hasattr(type(knobs.compilation), "fpsan_homomorphic_casts")
 
+# Dynamo traces ``kernel[grid](...)`` into a Triton-kernel node; it cannot trace this module's caches.
+_is_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
 # Device queries, bound at the first CUDA launch (tests replace them to run the fast path on CPU).
 _device_index: Callable[[torch.Tensor], int] = torch.Tensor.get_device
 _current_device: Optional[Callable[[], int]] = None
@@ -405,6 +408,9 @@ def launch(kernel: Any, grid: Tuple[int, ...], args: Sequence[Any],
     """``kernel[grid](*args, **constexprs)``, through the kernel's cached launcher where that is proven
     to pick the same compiled kernel (module docstring). ``args``: the leading positional (non-constexpr)
     arguments; ``constexprs``: constexpr parameters and launch options (``num_warps``...) by name."""
+    if _is_compiling():  # first: Dynamo then sees nothing but kernel[grid]
+        kernel[grid](*args, **constexprs)
+        return
     site = _SITES.get(id(kernel))
     if site is None or site.kernel is not kernel:
         site = _site_for(kernel)
