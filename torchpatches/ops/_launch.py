@@ -124,10 +124,11 @@ def _knob_state(kernel: JITFunction) -> Optional[tuple]:
     """The knobs ``JITFunction.run`` adds to the compile options, or None while a launch hook, a
     pre-run hook or a stages-inspection hook would make ``kernel[grid]`` do more than launch."""
     rt = knobs.runtime
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if hook is not None and (type(hook) is not _HookChain or hook.calls):
-            return None
-    if kernel.pre_run_hooks or getattr(rt, "add_stages_inspection_hook", None) is not None:
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    # None or an empty HookChain: kernel[grid] calls nothing (an empty chain is a no-op call)
+    if ((enter is not None and (enter.__class__ is not _HookChain or enter.calls))
+            or (leave is not None and (leave.__class__ is not _HookChain or leave.calls))
+            or kernel.pre_run_hooks or getattr(rt, "add_stages_inspection_hook", None) is not None):
         return None
     comp = knobs.compilation
     if _HAS_FPSAN:
