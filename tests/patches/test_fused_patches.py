@@ -25,7 +25,7 @@ from diffusers.models import activations, normalization  # noqa: E402,F401  (the
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches import _gates  # noqa: E402
 from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu  # noqa: E402
-from torchpatches.ops._fused_tiers import force_tier  # noqa: E402
+from torchpatches.ops._tiers import force_tier  # noqa: E402
 from torchpatches.patches import gate_residual  # noqa: E402
 from torchpatches.testing import build_model, count_kernels, tiny_inputs  # noqa: E402
 

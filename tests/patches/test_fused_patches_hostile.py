@@ -19,7 +19,7 @@ import torchpatches  # noqa: E402
 from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches.ops import linear_gelu, modulate, qk_norm_rope, slices, swiglu  # noqa: E402
-from torchpatches.ops._fused_tiers import force_tier  # noqa: E402
+from torchpatches.ops._tiers import force_tier  # noqa: E402
 from torchpatches.testing import build_model, tiny_inputs  # noqa: E402
 
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")

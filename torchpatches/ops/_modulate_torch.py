@@ -1,6 +1,7 @@
-"""PyTorch tier of ``ops/modulate.py``: diffusers' own op sequence, so it rounds exactly where diffusers does.
+"""PyTorch tier of ``ops/modulate.py``: the models' own op sequences, so it rounds exactly where they do.
 
-``scale``, ``shift`` and ``gate`` are ``[B, S or 1, D]`` (the public API adds the token dim).
+``scale``, ``shift`` and ``gate`` are ``[B, S or 1, D]`` (the public API adds the token dim). ``once``:
+Wan's form, fp32 compute rounded once to ``x``'s dtype (``.type_as``); else diffusers' FLUX form.
 """
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ def gate_residual_layer_norm_modulate(
     return h, layer_norm_modulate(h, scale, shift, eps)
 
 
+def _once(fn, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    # Wan: (norm(x.float()) * (1 + scale) + shift).type_as(x); (x.float() + y * gate).type_as(x)
+    return fn(x.float(), *(a.float() for a in args)).to(x.dtype)
+
+
 def apply(
     residual: torch.Tensor,
     gate: Optional[torch.Tensor],
@@ -44,8 +50,17 @@ def apply(
     shift: Optional[torch.Tensor],
     eps: float,
     clip: bool,
+    once: bool = False,
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(h, out) for the three forms, as the Triton kernel computes them."""
-    h = gate_residual(residual, gate, y, clip) if gate is not None else residual
-    out = layer_norm_modulate(h, scale, shift, eps) if scale is not None else None
+    h = residual
+    if gate is not None:
+        h = _once(lambda r, g, v: gate_residual(r, g, v, False), residual, gate, y) if once else \
+            gate_residual(residual, gate, y, clip)
+        if once and clip and h.dtype == torch.float16:
+            h = h.clip(-65504, 65504)
+    out = None
+    if scale is not None:
+        out = (_once(lambda x, c, t: layer_norm_modulate(x, c, t, eps), h, scale, shift) if once
+               else layer_norm_modulate(h, scale, shift, eps))
     return (h if gate is not None else None), out

@@ -12,10 +12,10 @@ kernel on CUDA::
 
 ``x`` and ``out`` have the same shape, dtype (fp32, bf16, fp16) and device, unit-stride last dims, and
 leading dims that flatten to rows without a copy; ``out`` must be writable and share no memory with ``x``
-unless it is ``x`` itself (``ValueError`` before anything is written, ``_out_checks``). ``gelu_tanh_into`` computes torch's tanh GELU in
+unless it is ``x`` itself (``ValueError`` before anything is written, ``_memory``). ``gelu_tanh_into`` computes torch's tanh GELU in
 fp32 and rounds once (as torch does); Triton's ``exp``-based tanh may move a result by one ulp.
 
-Tiers (``_fused_tiers``): Triton on CUDA, PyTorch (``torch._C._nn.gelu(..., out=)``, ``copy_``)
+Tiers (``_tiers``): Triton on CUDA, PyTorch (``torch._C._nn.gelu(..., out=)``, ``copy_``)
 elsewhere and for calls autograd records (through ``copy_``, differentiable). Under ``torch.compile`` each call is one mutating custom op with a fake.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from .._compat import is_compiling
-from ._fused_tiers import choose_tier, needs_grad
-from ._out_checks import check_out
+from . import _dispatch
+from ._memory import check_out
+from ._tiers import choose_tier, needs_grad
 
 __all__ = ["gelu_tanh_into", "copy_into"]
 
@@ -82,11 +82,7 @@ def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> t
         x = x.contiguous()
     grad = needs_grad(x, out)
     chosen = choose_tier(x.device.type, tier, grad)
-    # A call autograd records runs the PyTorch tier inline (also when traced): differentiable through copy_.
-    if grad or (not is_compiling() and type(x) is torch.Tensor):
-        _impl(x, out, act, chosen)
-    else:
-        _act_into_op(x, out, act, chosen)
+    _dispatch.run(x, grad, _impl, _act_into_op, x, out, act, chosen)  # PyTorch tier: differentiable via copy_
     return out
 
 

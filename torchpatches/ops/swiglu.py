@@ -8,13 +8,13 @@ Usable without any patching::
 ``x`` may be a strided view (unit-stride last dim), e.g. the MLP part of FLUX.2's fused
 QKV+MLP projection. ``out`` must have x's dtype and device, shape ``[..., F]`` and a unit-stride last
 dim, and its leading dims must flatten to rows without a copy; it must be writable and must not share
-memory with ``x`` (``ValueError`` before anything is written, ``_out_checks``).
+memory with ``x`` (``ValueError`` before anything is written, ``_memory``).
 
 Numerics: diffusers' ``Flux2SwiGLU`` rounds after ``silu`` and after the product; so does the
 kernel. ``silu`` is ``x / (1 + exp(-x))`` in fp32 as in torch's kernel; Triton's ``exp`` may differ
 in the last fp32 bit, so outputs match diffusers to one ulp (bit-identical on the CPU tiers).
 
-Tiers (``_fused_tiers``): Triton on CUDA, PyTorch elsewhere and for calls autograd records. Under ``torch.compile`` the call is one
+Tiers (``_tiers``): Triton on CUDA, PyTorch elsewhere and for calls autograd records. Under ``torch.compile`` the call is one
 ``torchpatches::swiglu`` custom op (with a fake; it mutates ``out``).
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._compat import is_compiling
-from ._fused_tiers import choose_tier, force_tier, needs_grad
-from ._out_checks import check_out
+from . import _dispatch
+from ._memory import check_out
+from ._tiers import choose_tier, force_tier, needs_grad
 
 __all__ = ["swiglu", "force_tier"]
 
@@ -95,9 +95,5 @@ def swiglu(x: torch.Tensor, *, out: Optional[torch.Tensor] = None, tier: Optiona
         check_out(x, out, elementwise_in_place=False)
     grad = needs_grad(x, out)
     chosen = choose_tier(x.device.type, tier, grad)
-    # A call autograd records runs the PyTorch tier inline (also when traced): differentiable through copy_.
-    if grad or (not is_compiling() and type(x) is torch.Tensor):
-        _impl(x, out, chosen)
-    else:
-        _swiglu_op(x, out, chosen)
+    _dispatch.run(x, grad, _impl, _swiglu_op, x, out, chosen)  # the PyTorch tier: differentiable through copy_
     return out
