@@ -116,7 +116,7 @@ def test_applied_with_verified_fingerprints_and_revert_by_identity(name: str) ->
         cls = getattr(importlib.import_module(module_name), cls_name)
         replacement = vars(cls)[attr]
         original = replacement.__torchpatches_original__
-        assert replacement.__torchpatches_pattern__ == name
+        assert replacement.__torchpatches_patch__ == name
         if diffusers.__version__ == VERIFIED:
             assert _gates.fingerprint(original) in target.fingerprints
         with torchpatches.disabled(name):
@@ -139,9 +139,9 @@ def test_env_disables_single_patterns() -> None:
         assert s["swiglu"].state.value == "disabled", s["swiglu"]
         for name in ("qk_norm_rope", "gate_residual", "gelu_gemm"):
             assert s[name].state.value == "applied", s[name]
-        assert not hasattr(normalization.AdaLayerNormZero.forward, "__torchpatches_pattern__")
-        assert not hasattr(transformer_flux2.Flux2SwiGLU.forward, "__torchpatches_pattern__")
-        assert transformer_flux2.Flux2TransformerBlock.forward.__torchpatches_pattern__ == "gate_residual"
+        assert not hasattr(normalization.AdaLayerNormZero.forward, "__torchpatches_patch__")
+        assert not hasattr(transformer_flux2.Flux2SwiGLU.forward, "__torchpatches_patch__")
+        assert transformer_flux2.Flux2TransformerBlock.forward.__torchpatches_patch__ == "gate_residual"
         """
     )
     env = dict(os.environ, TORCHPATCHES_DISABLE="adaln, swiglu", PYTHONPATH=os.pathsep.join(sys.path))
@@ -152,14 +152,18 @@ def test_patch_modules_import_nothing_heavy() -> None:
     code = textwrap.dedent(
         """
         import sys
+        import torch
         import torchpatches
         import torchpatches.patches.adaln, torchpatches.patches.qk_norm_rope, torchpatches.patches.gate_residual
         import torchpatches.patches.gelu_gemm, torchpatches.patches.swiglu
         heavy = [m for m in ("diffusers", "triton", "torch._dynamo", "torch._inductor") if m in sys.modules]
         assert not heavy, heavy
-        # the ops register torch.library ops when imported (~18 ms): they load with a patch's target
-        ops = [m for m in sys.modules if m.startswith("torchpatches.ops")]
+        # the ops register torch.library ops when imported (~18 ms): they load with a patch's target; the
+        # skeleton's tier switch (torch and the standard library only, registers nothing) loads with the patches
+        ops = [m for m in sys.modules if m.startswith("torchpatches.ops") and m not in (
+            "torchpatches.ops", "torchpatches.ops._tiers")]
         assert not ops, ops
+        assert not hasattr(torch.ops.torchpatches, "modulate")
         """
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

@@ -88,7 +88,7 @@ def test_gelu_subclass_overriding_gelu_keeps_its_activation(monkeypatch: pytest.
     # which is enough to see which path ran).
     monkeypatch.setattr(linear_gelu, "lt_tier_fits", lambda *args: True)
     x = torch.randn(2, 3, 8)
-    with torch.no_grad():
+    with torch.no_grad(), force_tier("torch"):  # a forced tier: permission to fuse on CPU
         stock = activations.GELU(8, 6, approximate="tanh").eval()
         fused = torch._addmm_activation(stock.proj.bias, x.reshape(-1, 8), stock.proj.weight.t(), use_gelu=True)
         assert torch.equal(stock(x), fused.view(2, 3, 6))  # the patched path runs for the stock class

@@ -19,8 +19,9 @@ What the patch changes
     dtype. On CUDA that is one Triton kernel (the ``torchpatches::rope_qk_triton`` custom op);
     elsewhere the op's plain-PyTorch tier (FlashInfer does not take diffusers' per-token form).
     Every other form (complex freqs with ``use_real=False``, ``use_real_unbind_dim=-2``, other
-    shapes, dtypes or devices, tensor subclasses, inputs that need a gradient, anything the op
-    refuses with ValueError) goes to the original function unchanged.
+    shapes, dtypes or devices, tensor subclasses, inputs that need a gradient, forward-mode AD and
+    functorch transforms (dual or wrapped tensors), ``torch.jit.trace``, anything the op refuses with
+    ValueError) goes to the original function unchanged.
 
     Under ``torch.compile`` the replacement keeps diffusers' own math (the original function is
     traced): Inductor fuses it with the RMSNorm of q/k and the text/image concat, while a custom op
@@ -58,6 +59,7 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
+from ..ops._tiers import jit_tracing, transforms_active
 
 logger = logging.getLogger("torchpatches")
 
@@ -122,10 +124,10 @@ def build_replacement(original: Callable[..., torch.Tensor]) -> Callable[..., to
         use_real_unbind_dim: int = -1,
         sequence_dim: int = 2,
     ) -> torch.Tensor:
-        if is_compiling():
-            # Inductor fuses diffusers' own RoPE with the q/k RMSNorm and the concat: keep it visible.
-            return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
-        if not is_flux_call(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
+        # Compiling: Inductor fuses diffusers' own RoPE with the q/k RMSNorm and the concat (keep it
+        # visible). Forward AD / functorch transforms / jit tracing: diffusers' differentiable, traceable ops.
+        if is_compiling() or transforms_active() or jit_tracing() or not is_flux_call(
+                x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
             return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         cos, sin = freqs_cis
         try:
