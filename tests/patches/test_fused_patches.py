@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
@@ -21,15 +21,14 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
+from _fused_models import FUSED, run, tiny  # noqa: E402
 from diffusers.models import activations, normalization  # noqa: E402,F401  (the patch targets load)
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches import _gates  # noqa: E402
-from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu  # noqa: E402
 from torchpatches.ops._tiers import force_tier  # noqa: E402
 from torchpatches.patches import gate_residual  # noqa: E402
-from torchpatches.testing import build_model, count_kernels, tiny_inputs  # noqa: E402
+from torchpatches.testing import count_kernels  # noqa: E402
 
-FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
 VERIFIED = "0.42.1"
 
 
@@ -39,39 +38,7 @@ def _patch(name: str):
     return importlib.import_module(f"torchpatches.patches.{name}").PATCH
 
 
-@pytest.fixture(autouse=True)
-def fused_on() -> Iterator[None]:
-    """Every fused pattern applied for the test; the previous state restored after it."""
-    were = {name: torchpatches.status()[name].state.value for name in FUSED}
-    torchpatches.apply(list(FUSED))
-    try:
-        yield
-    finally:
-        torchpatches.revert([n for n, s in were.items() if s != "applied"])
-
-
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
-    """How often each fused op body ran."""
-    counts: Dict[str, int] = collections.Counter()
-    for module in (modulate, qk_norm_rope, swiglu, slices):
-        real = module._impl
-
-        def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = module.__name__, **kwargs: Any):
-            counts[_name.rsplit(".", 1)[1]] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(module, "_impl", counting)
-    return counts
-
-
-def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
-    """The harness's ``flux1-fused`` / ``flux2-fused`` (1 double + 2 single blocks), 16 image + 8 text tokens."""
-    config = f"{name}-fused"
-    model = build_model(config, dtype=dtype)
-    inputs = tiny_inputs(config, dtype=dtype)
-    inputs.pop("return_dict")
-    return model, inputs
+pytestmark = pytest.mark.usefixtures("fused_on")
 
 
 def tiny_flux1(dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
@@ -89,11 +56,6 @@ EXPECTED = {
     "flux1": {"modulate": 11, "qk_norm_rope": 3, "slices": 4},
     "flux2": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 4, "slices": 2},
 }
-
-
-def run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**inputs, return_dict=False)[0]
 
 
 def vanilla(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
