@@ -7,14 +7,15 @@ that is still to be read. Made before anything is written; a problem raises ``Va
   no memory with ``x`` unless an elementwise op writes ``x`` itself (:func:`check_out`);
 - an expanded input (stride 0) would make several outputs of one element (:func:`check_no_overlap`).
 
-Checked in eager only (plain tensors): under torch.compile aliasing is functionalization's job and
-FakeTensors have no addresses.
+Addresses are checked in eager only (plain tensors): under torch.compile aliasing is functionalization's
+job and FakeTensors have no addresses; functorch's wrapped tensors (vmap, grad, jvp) have none either.
 """
 from __future__ import annotations
 
 import torch
 
 from .._compat import is_compiling
+from ._tiers import transforms_active
 
 __all__ = ["check_no_overlap", "check_inplace", "check_writable", "check_out", "elements_distinct",
            "may_share_elements"]
@@ -37,7 +38,7 @@ def check_inplace(q: torch.Tensor, k: Optional[torch.Tensor], tables: "dict[str,
     outputs = [("q", q)] + ([("k", k)] if k is not None else [])
     for name, x in outputs:
         check_writable(x, name)
-    if any(type(x) is not torch.Tensor for _, x in outputs):
+    if any(type(x) is not torch.Tensor for _, x in outputs) or transforms_active():
         return
     for name, x in outputs:
         if not elements_distinct(x):
@@ -160,7 +161,7 @@ def check_out(x: torch.Tensor, out: torch.Tensor, *, elementwise_in_place: bool)
     if is_compiling():
         return
     check_writable(out, "out")
-    if type(out) is not torch.Tensor or type(x) is not torch.Tensor:
+    if type(out) is not torch.Tensor or type(x) is not torch.Tensor or transforms_active():
         return
     if not elements_distinct(out):
         raise ValueError("out has overlapping memory (several indices address one element, e.g. an expanded "

@@ -85,7 +85,7 @@ def swiglu(x: torch.Tensor, *, out: Optional[torch.Tensor] = None, tier: Optiona
         x = x.contiguous()
     shape = (*x.shape[:-1], x.shape[-1] // 2)
     if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        out = x.new_empty(shape)  # new_empty: batched under vmap
     elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype
           or out.device != x.device or out.stride(-1) != 1):
         raise ValueError(f"out must be a {x.dtype} tensor of shape {shape} on {x.device} with a unit-stride "
