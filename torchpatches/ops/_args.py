@@ -8,7 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["tensor", "number", "flag", "dim"]
+from ._tiers import FLOAT_DTYPES
+
+__all__ = ["tensor", "float_tensor", "number", "flag", "dim"]
 
 
 def tensor(t: Any, name: str, *, optional: bool = False) -> Optional[torch.Tensor]:
@@ -16,6 +18,16 @@ def tensor(t: Any, name: str, *, optional: bool = False) -> Optional[torch.Tenso
         return None
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, got {type(t).__name__}")
+    return t
+
+
+def float_tensor(t: Any, name: str, rank: Optional[int] = None, layout: str = "") -> torch.Tensor:
+    """A tensor of a dtype the ops serve (and of ``rank`` dims, named by ``layout`` in the message)."""
+    tensor(t, name)
+    if rank is not None and t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} dtype {t.dtype} is not supported; expected float32, bfloat16 or float16")
     return t
 
 

@@ -18,49 +18,27 @@ def layer_norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tenso
 
 def gate_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, clip: bool) -> torch.Tensor:
     # diffusers: hidden_states = hidden_states + gate.unsqueeze(1) * attn_output (then fp16 clip)
-    out = residual + gate * y
-    if clip and out.dtype == torch.float16:
-        out = out.clip(-65504, 65504)
-    return out
+    return _clip_fp16(residual + gate * y, clip)
 
 
-def gate_residual_layer_norm_modulate(
-    residual: torch.Tensor,
-    gate: torch.Tensor,
-    y: torch.Tensor,
-    scale: torch.Tensor,
-    shift: torch.Tensor,
-    eps: float,
-    clip: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    h = gate_residual(residual, gate, y, clip)
-    return h, layer_norm_modulate(h, scale, shift, eps)
+def _clip_fp16(t: torch.Tensor, clip: bool) -> torch.Tensor:
+    return t.clip(-65504, 65504) if clip and t.dtype == torch.float16 else t
 
 
-def _once(fn, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+def _once(fn, x: torch.Tensor, *tensors: torch.Tensor, **kwargs) -> torch.Tensor:
     # Wan: (norm(x.float()) * (1 + scale) + shift).type_as(x); (x.float() + y * gate).type_as(x)
-    return fn(x.float(), *(a.float() for a in args)).to(x.dtype)
+    return fn(x.float(), *(t.float() for t in tensors), **kwargs).to(x.dtype)
 
 
-def apply(
-    residual: torch.Tensor,
-    gate: Optional[torch.Tensor],
-    y: Optional[torch.Tensor],
-    scale: Optional[torch.Tensor],
-    shift: Optional[torch.Tensor],
-    eps: float,
-    clip: bool,
-    once: bool = False,
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(h, out) for the three forms, as the Triton kernel computes them."""
+def apply(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
+          scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
+          once: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(h, out) for the three forms, as the Triton kernel computes them (the arguments of its ``launch``)."""
     h = residual
     if gate is not None:
-        h = _once(lambda r, g, v: gate_residual(r, g, v, False), residual, gate, y) if once else \
+        h = _clip_fp16(_once(gate_residual, residual, gate, y, clip=False), clip) if once else \
             gate_residual(residual, gate, y, clip)
-        if once and clip and h.dtype == torch.float16:
-            h = h.clip(-65504, 65504)
     out = None
     if scale is not None:
-        out = (_once(lambda x, c, t: layer_norm_modulate(x, c, t, eps), h, scale, shift) if once
-               else layer_norm_modulate(h, scale, shift, eps))
+        out = _once(layer_norm_modulate, h, scale, shift, eps=eps) if once else layer_norm_modulate(h, scale, shift, eps)
     return (h if gate is not None else None), out

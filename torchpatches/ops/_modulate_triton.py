@@ -15,14 +15,12 @@ This module imports triton: import it only when the Triton tier is used.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
-import triton
 import triton.language as tl
 
-from ._triton_common import HELPERS_PY, KINDS, _round_to, _rsqrt, _sum_combine, interpreted, next_pow2
+from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
 
 
 def _modulate_kernel(
@@ -65,17 +63,7 @@ def _modulate_kernel(
         tl.store(out_ptr + (b * o_sb + s * o_ss)[:, None] + d[None, :], o.to(ty), mask=m)
 
 
-MODULATE_KERNEL_PY = _modulate_kernel
-_modulate_kernel = triton.jit(MODULATE_KERNEL_PY)
-
-
-@functools.lru_cache(maxsize=None)
-def _interpreted_kernel() -> Any:
-    return interpreted(MODULATE_KERNEL_PY, HELPERS_PY)
-
-
-def kernel_for(device_type: str) -> Any:
-    return _modulate_kernel if device_type == "cuda" else _interpreted_kernel()
+kernel_for = for_devices(_modulate_kernel)
 
 
 #: Benchmarks may override the launch heuristic: {"num_warps": int, "ROWS": int}.

@@ -14,7 +14,6 @@ from .._compat import is_compiling
 from . import _args
 from ._memory import check_no_overlap
 
-Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def sequence_dim_of(x: torch.Tensor, sequence_dim: Optional[int]) -> int:
@@ -45,10 +44,7 @@ def bshd(x: torch.Tensor, seq_dim: int) -> torch.Tensor:
 
 def check_qk(q: torch.Tensor, k: Optional[torch.Tensor], seq_dim: int) -> tuple[int, int, int]:
     """Returns (B, S, D) of the [B, S, H, D] view; raises ValueError on any mismatch."""
-    if not isinstance(q, torch.Tensor):
-        raise ValueError(f"q must be a torch.Tensor, got {type(q).__name__}")
-    if q.dtype not in Q_DTYPES:
-        raise ValueError(f"q dtype {q.dtype} is not supported; expected float32, bfloat16 or float16")
+    _args.float_tensor(q, "q")
     B, S, H, D = bshd(q, seq_dim).shape
     if H < 1 or D < 2:
         raise ValueError(f"q needs at least one head and head_dim >= 2, got shape {tuple(q.shape)}")

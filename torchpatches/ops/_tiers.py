@@ -29,10 +29,12 @@ from torch.autograd import forward_ad as _forward_ad
 
 from .._compat import assume_constant, is_compiling
 
-__all__ = ["TIERS", "force_tier", "forced_tier", "triton_usable", "needs_grad", "transforms_active",
+__all__ = ["TIERS", "FLOAT_DTYPES", "force_tier", "forced_tier", "triton_usable", "needs_grad", "transforms_active",
            "grad_refusal", "choose_tier", "jit_tracing"]
 
 TIERS = ("flashinfer", "triton", "torch")
+#: The dtypes every tier of every op serves.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _FORCED: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("torchpatches_forced_tier", default=None)
 

@@ -40,11 +40,10 @@ from typing import Optional
 import torch
 
 from . import _args, _dispatch, _modulate_torch
-from ._tiers import choose_tier, force_tier, needs_grad
+from ._tiers import FLOAT_DTYPES, choose_tier, force_tier, needs_grad
 
 __all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate", "force_tier", "ROUNDINGS"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: ``"each"``: diffusers' rounding after every op; ``"once"``: fp32 compute rounded once (Wan's ``.type_as``).
 ROUNDINGS = ("each", "once")
 
@@ -61,19 +60,14 @@ def _vector(t: Optional[torch.Tensor], name: str, ref: torch.Tensor, once: bool)
     if t.dim() != 3 or t.shape[0] != B or t.shape[2] != D or t.shape[1] not in (1, S):
         raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, S, D] for input {tuple(ref.shape)}, "
                          f"got {tuple(t.shape)}")
-    if t.device != ref.device or (t.dtype not in _DTYPES if once else t.dtype != ref.dtype):
+    if t.device != ref.device or (t.dtype not in FLOAT_DTYPES if once else t.dtype != ref.dtype):
         want = "a float dtype" if once else f"{ref.dtype} (rounding='once' takes other float dtypes)"
         raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {want} on {ref.device}")
     return t if t.stride(-1) == 1 or D == 1 else t.contiguous()
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 3:
-        raise ValueError(f"{name} must be 3-D [B, S, D], got shape {tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{name} dtype {t.dtype} is not supported; expected float32, bfloat16 or float16")
+    _args.float_tensor(t, name, 3, "[B, S, D]")
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 

@@ -38,7 +38,6 @@ from ._tiers import choose_tier, force_tier, needs_grad
 
 __all__ = ["qk_norm_rope", "force_tier"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ------------------------------------------------------------------------------------------ torch tier
@@ -106,12 +105,7 @@ def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weig
 def _check_4d(t: Optional[torch.Tensor], name: str, ref: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if t is None:
         return None
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{name} dtype {t.dtype} is not supported; expected float32, bfloat16 or float16")
+    _args.float_tensor(t, name, 4, "[B, S, H, D]")
     if ref is not None:
         if t.dtype != ref.dtype or t.device != ref.device:
             raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {ref.dtype} on {ref.device}")

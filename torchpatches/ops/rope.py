@@ -144,14 +144,8 @@ def _with_cache(q, k, cache, positions, interleaved, rotary_dim, sequence_dim, t
 
 
 def apply_rope_qk_inplace(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool = True,
-    rotary_dim: Optional[int] = None,
-    sequence_dim: Optional[int] = None,
+    q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+    *, interleaved: bool = True, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
     tier: Optional[str] = None,
 ) -> None:
     """Rotate q and k in place with per-token cos/sin (diffusers' form).
@@ -176,14 +170,8 @@ def apply_rope_qk_inplace(
 
 
 def apply_rope_qk(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool = True,
-    rotary_dim: Optional[int] = None,
-    sequence_dim: Optional[int] = None,
+    q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+    *, interleaved: bool = True, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
     tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Out-of-place :func:`apply_rope_qk_inplace`: returns new ``(q_out, k_out)``; q, k untouched.
@@ -195,14 +183,8 @@ def apply_rope_qk(
 
 
 def apply_rope_qk_with_cache_inplace(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: Optional[int] = None,
-    sequence_dim: Optional[int] = None,
+    q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+    *, interleaved: bool, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
     tier: Optional[str] = None,
 ) -> None:
     """Rotate q and k in place with a ``cos_sin_cache`` indexed by ``positions`` (vLLM/FlashInfer).
@@ -227,14 +209,8 @@ def apply_rope_qk_with_cache_inplace(
 
 
 def apply_rope_qk_with_cache(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: Optional[int] = None,
-    sequence_dim: Optional[int] = None,
+    q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+    *, interleaved: bool, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
     tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Out-of-place :func:`apply_rope_qk_with_cache_inplace`: returns new ``(q_out, k_out)``."""

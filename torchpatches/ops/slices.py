@@ -24,13 +24,12 @@ from typing import Optional
 
 import torch
 
-from . import _dispatch
+from . import _args, _dispatch
 from ._memory import check_out
 from ._tiers import choose_tier, needs_grad
 
 __all__ = ["gelu_tanh_into", "copy_into"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rows(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -70,8 +69,8 @@ def _(x, out, act, tier) -> None:
 
 def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> torch.Tensor:
     for t, name in ((x, "x"), (out, "out")):
-        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.dtype not in _DTYPES:
-            raise ValueError(f"{name} must be a float32/bfloat16/float16 tensor")
+        if _args.float_tensor(t, name).dim() < 1:
+            raise ValueError(f"{name} must have at least one dim")
     if x.shape != out.shape or x.dtype != out.dtype or x.device != out.device:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} on {x.device} and out {tuple(out.shape)} {out.dtype} on "
                          f"{out.device} must match")

@@ -24,13 +24,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import _dispatch
+from . import _args, _dispatch
 from ._memory import check_out
 from ._tiers import choose_tier, force_tier, needs_grad
 
 __all__ = ["swiglu", "force_tier"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -71,10 +70,8 @@ def swiglu(x: torch.Tensor, *, out: Optional[torch.Tensor] = None, tier: Optiona
     Raises:
         ValueError: on an odd last dim, unsupported dtype, or an ``out`` that does not fit.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+    if _args.float_tensor(x, "x").dim() < 2:
         raise ValueError("x must be a tensor with at least 2 dims [..., 2F]")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"x dtype {x.dtype} is not supported; expected float32, bfloat16 or float16")
     if x.shape[-1] % 2:
         raise ValueError(f"x's last dim {x.shape[-1]} must be even")
     if x.stride(-1) != 1:

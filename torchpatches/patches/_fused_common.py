@@ -39,12 +39,11 @@ import torch
 
 from .._compat import is_compiling
 from .._slot import MARK_ORIGINAL, MARK_PATCH
-from ..ops._tiers import forced_tier, jit_tracing, transforms_active
+from ..ops._tiers import FLOAT_DTYPES, forced_tier, jit_tracing, transforms_active
 
 __all__ = ["FALLBACK", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT", "fused", "steps_aside",
            "fusable", "stock", "plain_layer_norm", "plain_rms_norm", "tensors_fit", "pattern_on", "Assumptions"]
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 #: A body's answer for a call it does not cover (given before it does anything): the original runs.
 FALLBACK = object()

@@ -59,7 +59,7 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops._tiers import jit_tracing, transforms_active
+from ..ops._tiers import FLOAT_DTYPES, jit_tracing, transforms_active
 
 logger = logging.getLogger("torchpatches")
 
@@ -74,7 +74,6 @@ ALIASES: Tuple[str, ...] = (
     "diffusers.models.transformers.transformer_flux3:apply_rotary_emb",  # FLUX.3 ("Copied from flux2")
 )
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def is_flux_call(x: Any, freqs_cis: Any, use_real: Any, use_real_unbind_dim: Any, sequence_dim: Any) -> bool:
@@ -85,7 +84,7 @@ def is_flux_call(x: Any, freqs_cis: Any, use_real: Any, use_real_unbind_dim: Any
     """
     if use_real is not True or use_real_unbind_dim != -1 or sequence_dim not in (1, 2):
         return False
-    if type(x) is not torch.Tensor or x.dim() != 4 or x.dtype not in _FLOAT_DTYPES or x.shape[-1] % 2:
+    if type(x) is not torch.Tensor or x.dim() != 4 or x.dtype not in FLOAT_DTYPES or x.shape[-1] % 2:
         return False  # subclasses (DTensor under tensor parallelism) keep the original
     if any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
         return False  # expanded views: the op refuses to write several outputs from one element
