@@ -30,7 +30,7 @@ from torch.autograd import forward_ad as _forward_ad
 from .._compat import assume_constant, is_compiling
 
 __all__ = ["TIERS", "FLOAT_DTYPES", "force_tier", "forced_tier", "triton_usable", "needs_grad", "transforms_active",
-           "grad_refusal", "choose_tier", "jit_tracing"]
+           "grad_refusal", "choose_tier", "jit_tracing", "eager_transforms"]
 
 TIERS = ("flashinfer", "triton", "torch")
 #: The dtypes every tier of every op serves.
@@ -60,7 +60,7 @@ def forced_tier() -> Optional[str]:
 
 def jit_tracing() -> bool:
     """``torch.jit.trace`` is recording (a kernel launch would see traced sizes; shape checks would warn)."""
-    return not is_compiling() and torch._C._get_tracing_state() is not None
+    return not is_compiling() and _tracing_state() is not None
 
 
 # ---- is triton there (without importing it) -------------------------------------------------------
@@ -94,6 +94,10 @@ def reset() -> None:
 # ---- does autograd record this call ---------------------------------------------------------------
 
 
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+_tracing_state = torch._C._get_tracing_state
+
+
 def transforms_active() -> bool:
     """A forward-AD dual level or a functorch transform (vmap, grad, jvp, functionalize) is active.
 
@@ -101,9 +105,13 @@ def transforms_active() -> bool:
     memory would drop tangents or fail on storage-less wrappers. Two reads; under Dynamo only
     ``requires_grad`` counts (Dynamo handles these transforms itself and must not trace the probes).
     """
-    if is_compiling():
-        return False
-    return _forward_ad._current_level >= 0 or torch._C._functorch.peek_interpreter_stack() is not None
+    return not is_compiling() and eager_transforms()
+
+
+def eager_transforms() -> bool:
+    """:func:`transforms_active` or ``torch.jit.trace`` recording, for callers that know they are not
+    being compiled (three C reads, ~0.1 us)."""
+    return _forward_ad._current_level >= 0 or _peek_interpreter_stack() is not None or _tracing_state() is not None
 
 
 def needs_grad(*tensors: Any) -> bool:

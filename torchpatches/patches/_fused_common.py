@@ -39,7 +39,7 @@ import torch
 
 from .._compat import is_compiling
 from .._slot import MARK_ORIGINAL, MARK_PATCH
-from ..ops._tiers import FLOAT_DTYPES, forced_tier, jit_tracing, transforms_active
+from ..ops._tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
 __all__ = ["FALLBACK", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT", "fused", "steps_aside",
            "fusable", "stock", "plain_layer_norm", "plain_rms_norm", "tensors_fit", "pattern_on", "Assumptions"]
@@ -101,9 +101,10 @@ class Assumptions:
 def steps_aside() -> bool:
     """Every fused path runs diffusers' code now: compiling, jit tracing, forward AD or a functorch
     transform, or module-global forward hooks (they expect every module call to happen)."""
+    if is_compiling():
+        return True
     m = torch.nn.modules.module
-    return (is_compiling() or transforms_active() or jit_tracing()
-            or bool(m._global_forward_hooks or m._global_forward_pre_hooks))
+    return eager_transforms() or bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
 def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -> Callable[[Any], Any]:

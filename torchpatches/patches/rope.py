@@ -59,7 +59,7 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops._tiers import FLOAT_DTYPES, jit_tracing, transforms_active
+from ..ops._tiers import FLOAT_DTYPES, eager_transforms
 
 logger = logging.getLogger("torchpatches")
 
@@ -125,7 +125,7 @@ def build_replacement(original: Callable[..., torch.Tensor]) -> Callable[..., to
     ) -> torch.Tensor:
         # Compiling: Inductor fuses diffusers' own RoPE with the q/k RMSNorm and the concat (keep it
         # visible). Forward AD / functorch transforms / jit tracing: diffusers' differentiable, traceable ops.
-        if is_compiling() or transforms_active() or jit_tracing() or not is_flux_call(
+        if is_compiling() or eager_transforms() or not is_flux_call(
                 x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
             return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         cos, sin = freqs_cis
