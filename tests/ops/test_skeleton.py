@@ -316,3 +316,22 @@ def test_rounding_once_against_float64_and_between_tiers(case: Dict[str, Any]) -
                                                                       tier="torch")
             # fp32 outputs carry the LayerNorm statistics' own few-ulp differences (as in test_modulate)
             assert ulps(h, want_h) <= 1.0 and ulps(out, want, mag) <= (8.0 if out.dtype == torch.float32 else 1.0)
+
+
+# ---- torch.jit.trace (item 5) ----------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("kernels_by_default")
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_jit_trace_records_the_reference_tier_without_tracer_warnings(name: str) -> None:
+    import warnings
+
+    op = OPS[name]
+    x = _randn(2, 4, 16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(lambda t: op(t, None), (x,), check_trace=False)
+    ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in seen if "torchpatches" in w.filename]
+    assert not ours, ours[:3]
+    other = _randn(2, 4, 16, seed=4)
+    assert torch.equal(traced(other), op(other, "torch"))

@@ -7,16 +7,38 @@
   transforms): the body runs inline, so its PyTorch ops are recorded (also when traced: the custom ops
   have no autograd formula, a gradient through them would fail at backward).
 - traced (Dynamo, make_fx/export: fake or functional tensors): the custom op, with its fake.
+
+``torch.jit.trace`` records the PyTorch tier (``_tiers.choose_tier``); the ops' shape checks are Python
+constants of that trace, so :func:`public` keeps their TracerWarnings out of the user's log.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+import warnings
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from .._compat import is_compiling
+from ._tiers import jit_tracing
 
-__all__ = ["plain_eager", "run"]
+__all__ = ["plain_eager", "run", "public"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def public(fn: _F) -> _F:
+    """An op's public entry point: under ``torch.jit.trace`` without TracerWarnings from torchpatches' checks."""
+
+    @functools.wraps(fn)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        if not jit_tracing():
+            return fn(*args, **kwargs)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=torch.jit.TracerWarning, module=r"torchpatches\.")
+            return fn(*args, **kwargs)
+
+    return op  # type: ignore[return-value]
 
 
 def plain_eager(x: Any) -> bool:

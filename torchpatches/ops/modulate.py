@@ -126,6 +126,7 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding):
                          float(eps or 0.0), bool(clip), once, chosen)
 
 
+@_dispatch.public
 def layer_norm_modulate(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -143,6 +144,7 @@ def layer_norm_modulate(
     return _run(x, None, None, scale, shift, eps, False, tier, False, rounding)[0]
 
 
+@_dispatch.public
 def gate_residual(
     residual: torch.Tensor,
     gate: torch.Tensor,
@@ -156,6 +158,7 @@ def gate_residual(
     return _run(residual, gate, y, None, None, None, clip_fp16, tier, True, rounding)[0]
 
 
+@_dispatch.public
 def gate_residual_layer_norm_modulate(
     residual: torch.Tensor,
     gate: torch.Tensor,

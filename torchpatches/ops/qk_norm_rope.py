@@ -134,6 +134,7 @@ def _same_strides(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t if t.stride() == first else t.contiguous() for t in tensors]
 
 
+@_dispatch.public
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from . import _args, _memory, _rope_checks, _rope_library, _rope_tiers, _rope_torch
+from . import _args, _dispatch, _memory, _rope_checks, _rope_library, _rope_tiers, _rope_torch
 from ._rope_tiers import describe_tiers, last_tier
 from ._tiers import TIERS, force_tier, forced_tier, jit_tracing, needs_grad
 
@@ -143,6 +143,7 @@ def _with_cache(q, k, cache, positions, interleaved, rotary_dim, sequence_dim, t
 # ---------------------------------------------------------------------------------------------
 
 
+@_dispatch.public
 def apply_rope_qk_inplace(
     q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     *, interleaved: bool = True, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
@@ -169,6 +170,7 @@ def apply_rope_qk_inplace(
     _per_token(q, k, cos, sin, interleaved, rotary_dim, sequence_dim, tier, inplace=True)
 
 
+@_dispatch.public
 def apply_rope_qk(
     q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     *, interleaved: bool = True, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
@@ -182,6 +184,7 @@ def apply_rope_qk(
     return _per_token(q, k, cos, sin, interleaved, rotary_dim, sequence_dim, tier, inplace=False)
 
 
+@_dispatch.public
 def apply_rope_qk_with_cache_inplace(
     q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor,
     *, interleaved: bool, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
@@ -208,6 +211,7 @@ def apply_rope_qk_with_cache_inplace(
                 inplace=True)
 
 
+@_dispatch.public
 def apply_rope_qk_with_cache(
     q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor,
     *, interleaved: bool, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,

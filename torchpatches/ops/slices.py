@@ -85,11 +85,13 @@ def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> t
     return out
 
 
+@_dispatch.public
 def gelu_tanh_into(x: torch.Tensor, out: torch.Tensor, *, tier: Optional[str] = None) -> torch.Tensor:
     """``out[...] = F.gelu(x, approximate="tanh")``; returns ``out``."""
     return _run(x, out, 1, tier)
 
 
+@_dispatch.public
 def copy_into(x: torch.Tensor, out: torch.Tensor, *, tier: Optional[str] = None) -> torch.Tensor:
     """``out.copy_(x)`` for same-dtype tensors (a row kernel on CUDA); returns ``out``."""
     return _run(x, out, 0, tier)

@@ -64,6 +64,7 @@ def _(x, out, tier) -> None:
     return None
 
 
+@_dispatch.public
 def swiglu(x: torch.Tensor, *, out: Optional[torch.Tensor] = None, tier: Optional[str] = None) -> torch.Tensor:
     """``silu(x[..., :F]) * x[..., F:]``; returns ``out`` (a new contiguous tensor if not given).
 

@@ -163,10 +163,11 @@ def stock(module: Any, cls: type) -> bool:
     )
 
 
-def plain_layer_norm(norm: Any, width: int) -> bool:
-    """A stock ``nn.LayerNorm(width)`` without affine parameters, nothing hooked."""
+def plain_layer_norm(norm: Any, width: int, cls: type = torch.nn.LayerNorm) -> bool:
+    """A stock ``cls(width)`` without affine parameters, nothing hooked (``cls``: ``nn.LayerNorm``, or a
+    model's own LayerNorm class such as diffusers' ``FP32LayerNorm`` where the op's rounding mode matches it)."""
     return (
-        stock(norm, torch.nn.LayerNorm)
+        stock(norm, cls)
         and norm.weight is None
         and norm.bias is None
         and tuple(norm.normalized_shape) == (width,)
