@@ -7,6 +7,8 @@ import torch
 
 #: The eager fusion patterns.
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
+#: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
+MODELS = ("flux1", "flux2")
 
 
 def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:

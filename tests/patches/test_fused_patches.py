@@ -21,7 +21,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import FUSED, run, tiny  # noqa: E402
+from _fused_models import FUSED, reverted, run, tiny  # noqa: E402
 from diffusers.models import activations, normalization  # noqa: E402,F401  (the patch targets load)
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches import _gates  # noqa: E402
@@ -59,8 +59,9 @@ EXPECTED = {
 
 
 def vanilla(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
-    with torchpatches.disabled(*FUSED):
-        return run(model, inputs)
+    """diffusers with the patches reverted: the fused patterns and ``rope`` (whose automatic tier would
+    otherwise differ from the forced one the patched run gets: one forced-tier switch serves all ops)."""
+    return reverted(model, inputs)
 
 
 # ---- declarations and registry promises -------------------------------------------------------

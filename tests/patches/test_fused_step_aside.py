@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import FUSED, reverted, run, tiny  # noqa: E402
+from _fused_models import FUSED, MODELS, reverted, run, tiny  # noqa: E402
 from diffusers.models import normalization  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
 from torchpatches.ops.modulate import force_tier  # noqa: E402
@@ -74,7 +74,7 @@ def _tangent(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("which", ["flux1", "flux2"])
+@pytest.mark.parametrize("which", MODELS)
 def test_forward_ad_gets_diffusers_tangent(which: str, tier: str, calls: Dict[str, int]) -> None:
     model, inputs = tiny(which)
     with torchpatches.disabled(*FUSED, "rope"):
@@ -122,7 +122,7 @@ def _jvp(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("transform", [_vmapped, _jvp], ids=["vmap", "jvp"])
-@pytest.mark.parametrize("which", ["flux1", "flux2"])
+@pytest.mark.parametrize("which", MODELS)
 def test_functorch_transforms_get_diffusers_code(which: str, transform: Callable[..., torch.Tensor],
                                                  calls: Dict[str, int]) -> None:
     model, inputs = tiny(which)
@@ -177,7 +177,7 @@ def test_autocast_gets_diffusers_result_dtype(tier: str, calls: Dict[str, int]) 
     assert not calls, dict(calls)
 
 
-@pytest.mark.parametrize("which", ["flux1", "flux2"])
+@pytest.mark.parametrize("which", MODELS)
 def test_autocast_whole_model_equals_diffusers(which: str, calls: Dict[str, int]) -> None:
     model, inputs = tiny(which, torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
