@@ -64,6 +64,7 @@ def _modulate_kernel(
 
 
 kernel_for = for_devices(_modulate_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 
 #: Benchmarks may override the launch heuristic: {"num_warps": int, "ROWS": int}.

@@ -98,6 +98,7 @@ def _qk_norm_rope_kernel(
 
 
 kernel_for = for_devices(_qk_norm_rope_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 
 def launch(

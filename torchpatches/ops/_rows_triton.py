@@ -40,6 +40,7 @@ def _rows_kernel(x_ptr, o_ptr, N, x_sr, o_sr, BLOCK: tl.constexpr, ACT: tl.const
         tl.store(o_ptr + row * o_sr + c, x, mask=m)
 
 kernel_for = for_devices(_rows_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 def launch(x: torch.Tensor, out: torch.Tensor, act: int) -> None:
     """``x``, ``out``: 2-D ``[M, N]`` with unit-stride columns; ``act`` 0 (copy) or 1 (tanh GELU)."""

@@ -27,6 +27,7 @@ def _swiglu_kernel(x_ptr, o_ptr, F, x_sr, o_sr, BLOCK: tl.constexpr, KIND: tl.co
     tl.store(o_ptr + row * o_sr + c, out.to(o_ptr.dtype.element_ty), mask=m)
 
 kernel_for = for_devices(_swiglu_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 def launch(x: torch.Tensor, out: torch.Tensor) -> None:
     """``x`` is 2-D ``[M, 2F]``, ``out`` 2-D ``[M, F]``; both unit-stride columns."""

@@ -91,6 +91,7 @@ def for_devices(kernel_py: Any) -> Callable[[str], Any]:
     def kernel_for(device_type: str) -> Any:
         return compiled if device_type == "cuda" else interpreter()
 
+    kernel_for.interpreted = interpreter  # type: ignore[attr-defined]
     return kernel_for
 
 
