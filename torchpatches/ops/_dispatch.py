@@ -28,7 +28,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def public(fn: _F) -> _F:
-    """An op's public entry point: under ``torch.jit.trace`` without TracerWarnings from torchpatches' checks."""
+    """An op's entry (public, or the one function its public ones call): under ``torch.jit.trace`` without
+    TracerWarnings from torchpatches' checks."""
 
     @functools.wraps(fn)
     def op(*args: Any, **kwargs: Any) -> Any:

@@ -110,6 +110,7 @@ def _(residual, gate, y, scale, shift, eps, clip, once, tier):
     return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
 
 
+@_dispatch.public
 def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding):
     if gated and gate is None:
         raise ValueError("gate must be a torch.Tensor, got None")
@@ -126,7 +127,6 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding):
                          float(eps or 0.0), bool(clip), once, chosen)
 
 
-@_dispatch.public
 def layer_norm_modulate(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -144,7 +144,6 @@ def layer_norm_modulate(
     return _run(x, None, None, scale, shift, eps, False, tier, False, rounding)[0]
 
 
-@_dispatch.public
 def gate_residual(
     residual: torch.Tensor,
     gate: torch.Tensor,
@@ -158,7 +157,6 @@ def gate_residual(
     return _run(residual, gate, y, None, None, None, clip_fp16, tier, True, rounding)[0]
 
 
-@_dispatch.public
 def gate_residual_layer_norm_modulate(
     residual: torch.Tensor,
     gate: torch.Tensor,

@@ -105,6 +105,7 @@ def _nothing_to_do(q: torch.Tensor, k: Optional[torch.Tensor], inplace: bool):
     return q.clone(), (k.clone() if k is not None else None)
 
 
+@_dispatch.public
 def _per_token(q, k, cos, sin, interleaved, rotary_dim, sequence_dim, tier, inplace):
     _args.flag(interleaved, "interleaved")
     seq_dim = _rope_checks.sequence_dim_of(q, sequence_dim)
@@ -119,6 +120,7 @@ def _per_token(q, k, cos, sin, interleaved, rotary_dim, sequence_dim, tier, inpl
     return _run(q, k, cos, sin, None, seq_dim, interleaved, False, r, chosen, inplace)
 
 
+@_dispatch.public
 def _with_cache(q, k, cache, positions, interleaved, rotary_dim, sequence_dim, tier, inplace):
     _args.flag(interleaved, "interleaved")
     seq_dim = _rope_checks.sequence_dim_of(q, sequence_dim)
@@ -143,7 +145,6 @@ def _with_cache(q, k, cache, positions, interleaved, rotary_dim, sequence_dim, t
 # ---------------------------------------------------------------------------------------------
 
 
-@_dispatch.public
 def apply_rope_qk_inplace(
     q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     *, interleaved: bool = True, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
@@ -170,7 +171,6 @@ def apply_rope_qk_inplace(
     _per_token(q, k, cos, sin, interleaved, rotary_dim, sequence_dim, tier, inplace=True)
 
 
-@_dispatch.public
 def apply_rope_qk(
     q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
     *, interleaved: bool = True, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
@@ -184,7 +184,6 @@ def apply_rope_qk(
     return _per_token(q, k, cos, sin, interleaved, rotary_dim, sequence_dim, tier, inplace=False)
 
 
-@_dispatch.public
 def apply_rope_qk_with_cache_inplace(
     q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor,
     *, interleaved: bool, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
@@ -211,7 +210,6 @@ def apply_rope_qk_with_cache_inplace(
                 inplace=True)
 
 
-@_dispatch.public
 def apply_rope_qk_with_cache(
     q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor,
     *, interleaved: bool, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,

@@ -67,6 +67,7 @@ def _(x, out, act, tier) -> None:
     return None
 
 
+@_dispatch.public
 def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> torch.Tensor:
     for t, name in ((x, "x"), (out, "out")):
         if _args.float_tensor(t, name).dim() < 1:
@@ -85,13 +86,11 @@ def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> t
     return out
 
 
-@_dispatch.public
 def gelu_tanh_into(x: torch.Tensor, out: torch.Tensor, *, tier: Optional[str] = None) -> torch.Tensor:
     """``out[...] = F.gelu(x, approximate="tanh")``; returns ``out``."""
     return _run(x, out, 1, tier)
 
 
-@_dispatch.public
 def copy_into(x: torch.Tensor, out: torch.Tensor, *, tier: Optional[str] = None) -> torch.Tensor:
     """``out.copy_(x)`` for same-dtype tensors (a row kernel on CUDA); returns ``out``."""
     return _run(x, out, 0, tier)
