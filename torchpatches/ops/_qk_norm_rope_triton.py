@@ -17,14 +17,12 @@ This module imports triton: import it only when the Triton tier is used.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-import triton
 import triton.language as tl
 
-from ._triton_common import HELPERS_PY, KINDS, _round_to, _rsqrt, _sum_combine, cdiv, interpreted, next_pow2
+from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, cdiv, for_devices, next_pow2
 
 
 def _qk_norm_rope_kernel(
@@ -99,17 +97,8 @@ def _qk_norm_rope_kernel(
             tl.store(ko_ptr + dst, out.to(ty), mask=m)
 
 
-QK_NORM_ROPE_KERNEL_PY = _qk_norm_rope_kernel
-_qk_norm_rope_kernel = triton.jit(QK_NORM_ROPE_KERNEL_PY)
-
-
-@functools.lru_cache(maxsize=None)
-def _interpreted_kernel() -> Any:
-    return interpreted(QK_NORM_ROPE_KERNEL_PY, HELPERS_PY)
-
-
-def kernel_for(device_type: str) -> Any:
-    return _qk_norm_rope_kernel if device_type == "cuda" else _interpreted_kernel()
+kernel_for = for_devices(_qk_norm_rope_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 
 def launch(
