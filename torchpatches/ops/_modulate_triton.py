@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 import triton.language as tl
 
+from ._launch import launch as launch_kernel
 from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
 
 
@@ -115,13 +116,14 @@ def launch(
     o = n_out if n_out is not None else h_out
     cfg = pick_config(block_d, residual.device.type != "cuda")
     rows = int(cfg["ROWS"])
-    kernel[(-(-(B * S) // rows),)](
+    launch_kernel(kernel, (-(-(B * S) // rows),), (
         residual, gate if has_gate else dummy, y if has_gate else dummy,
         scale if has_norm else dummy, shift if has_norm else dummy, h, o,
         B * S, S, D, float(eps),
         residual.stride(0), residual.stride(1), *_rows(gate, residual), *_rows(y, residual),
         *_rows(scale, residual), *_rows(shift, residual), h.stride(0), h.stride(1), o.stride(0), o.stride(1),
+    ), dict(
         BLOCK_D=block_d, ROWS=rows, KIND=KINDS[residual.dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and residual.dtype == torch.float16), LIBDEVICE=residual.device.type == "cuda",
         MID=0 if once else KINDS[residual.dtype], num_warps=int(cfg["num_warps"]),
-    )
+    ))

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import triton.language as tl
 
+from ._launch import launch as launch_kernel
 from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, cdiv, for_devices, next_pow2
 
 
@@ -122,13 +123,14 @@ def launch(
     tensors = 3 if v_out is not None else 2
     txt = qt if qt is not None else q
     kernel = kernel_for(q.device.type)
-    kernel[(B * S_tot, tensors * nhb)](
+    launch_kernel(kernel, (B * S_tot, tensors * nhb), (
         q, k, v if v is not None else q, txt, kt if kt is not None else k, vt if vt is not None else txt,
         wq, wk, wqt if wqt is not None else wq, wkt if wkt is not None else wk, cos, sin,
         q_out, k_out, v_out if v_out is not None else q_out,
         S_txt, S_tot, H, nhb, *[float(e) for e in eps],
         q.stride(0), q.stride(1), q.stride(2), txt.stride(0), txt.stride(1), txt.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), cos.stride(0), sin.stride(0),
+    ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
         num_warps=2 if block_h * 2 * half >= 512 else 1,
-    )
+    ))

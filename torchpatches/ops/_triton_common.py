@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ._launch import launch as launch_kernel
+
 #: KIND codes of the output dtype (a constexpr of every kernel).
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -103,8 +105,9 @@ def launch_rows(kernel_for: Callable[[str], Any], x: torch.Tensor, out: torch.Te
         return
     block = cap if N >= cap else max(16, 1 << (N - 1).bit_length())
     kernel = kernel_for(x.device.type)
-    kernel[(M, cdiv(N, block))](x, out, N, x.stride(0), out.stride(0), BLOCK=block, KIND=KINDS[out.dtype],
-                                LIBDEVICE=x.device.type == "cuda", num_warps=4 if block >= 1024 else 2, **meta)
+    launch_kernel(kernel, (M, cdiv(N, block)), (x, out, N, x.stride(0), out.stride(0)),
+                  dict(BLOCK=block, KIND=KINDS[out.dtype], LIBDEVICE=x.device.type == "cuda",
+                       num_warps=4 if block >= 1024 else 2, **meta))
 
 
 def next_pow2(n: int) -> int:
