@@ -1,6 +1,7 @@
 """The tiny FLUX models the fused-pattern tests run (not a test module)."""
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Tuple
 
 import torch
@@ -9,6 +10,9 @@ import torch
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
 #: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
 MODELS = ("flux1", "flux2")
+#: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
+#: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.
+DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))
 
 
 def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
@@ -16,8 +20,8 @@ def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module
     from torchpatches.testing import build_model, tiny_inputs
 
     config = f"{name}-fused"
-    model = build_model(config, dtype=dtype)
-    inputs = tiny_inputs(config, dtype=dtype)
+    model = build_model(config, dtype=dtype, device=DEVICE)
+    inputs = tiny_inputs(config, dtype=dtype, device=DEVICE)
     inputs.pop("return_dict")
     return model, inputs
 

@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import FUSED, MODELS, reverted, run, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, MODELS, reverted, run, tiny  # noqa: E402
 from diffusers.models import normalization  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
 from torchpatches.ops.modulate import force_tier  # noqa: E402
@@ -64,7 +64,7 @@ def _tangent(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
     import torch.autograd.forward_ad as fwAD
 
     direction = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(3),
-                            dtype=inputs["hidden_states"].dtype)
+                            dtype=inputs["hidden_states"].dtype).to(DEVICE)
     with torch.no_grad(), _math_attention(), fwAD.dual_level():
         dual = fwAD.make_dual(inputs["hidden_states"], direction)
         out = model(**{**inputs, "hidden_states": dual}, return_dict=False)[0]
@@ -163,11 +163,11 @@ def test_jit_trace_gets_diffusers_code_and_no_tracer_warnings_from_torchpatches(
 @pytest.mark.parametrize("tier", TIERS)
 def test_autocast_gets_diffusers_result_dtype(tier: str, calls: Dict[str, int]) -> None:
     """CPU autocast runs LayerNorm in fp32 (as CUDA autocast does): diffusers' adaLN returns fp32 there."""
-    norm = normalization.AdaLayerNormZero(32).to(torch.bfloat16).eval()
+    norm = normalization.AdaLayerNormZero(32).to(DEVICE, torch.bfloat16).eval()
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 32, generator=gen).to(torch.bfloat16)
-    emb = torch.randn(2, 32, generator=gen).to(torch.bfloat16)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    x = torch.randn(2, 5, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    emb = torch.randn(2, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         with torchpatches.disabled("adaln"):
             ref = norm(x, emb=emb)
         with force_tier(tier):
@@ -180,7 +180,7 @@ def test_autocast_gets_diffusers_result_dtype(tier: str, calls: Dict[str, int]) 
 @pytest.mark.parametrize("which", MODELS)
 def test_autocast_whole_model_equals_diffusers(which: str, calls: Dict[str, int]) -> None:
     model, inputs = tiny(which, torch.bfloat16)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         ref = reverted(model, inputs)
         with force_tier("torch"):
             got = run(model, inputs)
