@@ -31,20 +31,13 @@ MAX_LINES = 450
 #: Modules above the public API: the CLI and the demo it runs. Nothing else in the package imports them.
 ENTRY_POINTS = {f"{PACKAGE}.__main__", f"{PACKAGE}._demo"}
 
-#: Known cycles through function-local imports (their modules) -> the branch that breaks it.
-KNOWN_CYCLES: Dict[Tuple[str, ...], str] = {
-    # _rope_tiers imports _rope_library in a function; _rope_library imports _rope_tiers at load
-    (f"{PACKAGE}.ops._rope_library", f"{PACKAGE}.ops._rope_tiers"): "helper ops-fused (one op skeleton in ops/)",
-    # torchpatches.doctor() imports _doctor in a function; _doctor imports torchpatches (the upward import)
-    (PACKAGE, f"{PACKAGE}._doctor"): "helper doctor-hostile",
-}
+#: Known cycles through function-local imports (their modules) -> the branch that breaks it (none left:
+#: ops/_rope_library <-> ops/_rope_tiers and torchpatches <-> _doctor were broken by ops-fused and doctor-hostile).
+KNOWN_CYCLES: Dict[Tuple[str, ...], str] = {}
 #: Modules known to import the package __init__ from below -> the branch that removes the import.
-KNOWN_UPWARD: Dict[str, str] = {f"{PACKAGE}._doctor": "helper doctor-hostile"}
+KNOWN_UPWARD: Dict[str, str] = {}  # _doctor's import of torchpatches was removed by doctor-hostile
 #: Files known to be over MAX_LINES -> the branch that splits them.
-KNOWN_LONG: Dict[str, str] = {
-    f"{PACKAGE}/_doctor.py": "helper doctor-hostile",
-    f"{PACKAGE}/testing.py": "helper tests-ci (the harness made private)",
-}
+KNOWN_LONG: Dict[str, str] = {f"{PACKAGE}/testing.py": "helper tests-ci (the harness made private)"}
 
 
 def _module_name(path: Path) -> str:
