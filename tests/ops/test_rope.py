@@ -28,7 +28,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchpatches import testing
+from torchpatches import _harness as testing
 from torchpatches.ops import _rope_tiers, rope
 
 try:  # the Triton tier needs triton (the interpreter is part of it)

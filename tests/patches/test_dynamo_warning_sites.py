@@ -75,12 +75,12 @@ _SUBPROCESS = textwrap.dedent(
         torch._dynamo.config.ignore_logging_functions.update({logging.Logger.warning, warnings.warn})
     import torchpatches
     from diffusers.models.transformers import transformer_flux
-    from torchpatches import testing
+    from torchpatches import _harness as harness
     status = torchpatches.status()["compile_warnings"]
-    case = next(c for c in testing.GRAPH_BREAK_CASES if (c.model, c.form) == ("flux1", "3-D ids"))
+    case = next(c for c in harness.GRAPH_BREAK_CASES if (c.model, c.form) == ("flux1", "3-D ids"))
     model = case.build()
     try:
-        with torch.no_grad(), testing.quiet():
+        with torch.no_grad(), harness.quiet():
             torch.compile(model, backend="eager", fullgraph=True)(**case.inputs())
         fullgraph = True
     except Exception:

@@ -27,7 +27,7 @@ from torchpatches import _gates  # noqa: E402
 from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu  # noqa: E402
 from torchpatches.ops._fused_tiers import force_tier  # noqa: E402
 from torchpatches.patches import gate_residual  # noqa: E402
-from torchpatches.testing import build_model, count_kernels, tiny_inputs  # noqa: E402
+from torchpatches._harness import build_model, count_kernels, tiny_inputs  # noqa: E402
 
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
 VERIFIED = "0.42.1"

@@ -2,7 +2,7 @@
 and user subclasses of patched diffusers classes. The fused path must never drop a gradient, and must
 never skip code a user overrode.
 
-Tiny FLUX.1 / FLUX.2 from ``torchpatches.testing`` on CPU; a forced PyTorch tier stands in for the GPU
+Tiny FLUX.1 / FLUX.2 from ``torchpatches._harness`` on CPU; a forced PyTorch tier stands in for the GPU
 (op call counters show which path ran).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches.ops import linear_gelu, modulate, qk_norm_rope, slices, swiglu  # noqa: E402
 from torchpatches.ops._fused_tiers import force_tier  # noqa: E402
-from torchpatches.testing import build_model, tiny_inputs  # noqa: E402
+from torchpatches._harness import build_model, tiny_inputs  # noqa: E402
 
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
 
