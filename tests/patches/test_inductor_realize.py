@@ -38,6 +38,9 @@ from torchpatches.patches.inductor_realize import (
     materialize_is_cheaper,
 )
 
+# The fast sessions of torch releases where the patch applies (2.12) select these by this marker.
+pytestmark = pytest.mark.inductor_realize
+
 NAME = "inductor_realize"
 TARGET = "torch._inductor.ir:StorageBox.should_realize_on_reuse"
 # The original's fingerprint and the fingerprint of this patch's own code (see _cache_key.cache_token).
