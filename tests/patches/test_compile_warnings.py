@@ -82,6 +82,22 @@ SITES_BEFORE: Dict[Tuple[str, str], Tuple[Tuple[str, int], ...]] = {
 
 FLUX_MODULE = "diffusers.models.transformers.transformer_flux"
 
+#: The cases of the fast set (each torch release): one per kind of site, and the one whose site moves with
+#: torch's release (dreamlite). Every case runs in the full sessions and in the diffusers-<version> ones.
+FAST_CASES = {
+    ("flux1", "3-D ids"),  # logger.warning in a model forward
+    ("flux1", "unknown attn kwarg"),  # "not expected by" in an attention processor
+    ("flux1", "scale, no PEFT"),  # @apply_lora_scale wrapper: a break before the first graph
+    ("feedforward", "scale= (deprecate)"),  # deprecate() in a forward
+    ("dreamlite", "default (return_dict=True)"),  # deprecate() in an output class's __init__
+}
+
+
+def _cases(keys: Any, fast: Any = FAST_CASES) -> List[Any]:
+    """``keys`` as parameters; those not in ``fast`` marked slow (and by_diffusers: they differ by release)."""
+    return [pytest.param(key, marks=() if key in fast else (pytest.mark.slow, pytest.mark.by_diffusers))
+            for key in keys]
+
 
 @pytest.fixture(autouse=True)
 def _clean() -> Iterator[None]:
@@ -113,7 +129,7 @@ def _first(out: Any) -> torch.Tensor:
 # ---- graph breaks, fullgraph, recompiles, outputs -----------------------------------------------
 
 
-@pytest.mark.parametrize("key", sorted(BEFORE), ids=lambda k: f"{k[0]}-{k[1]}")
+@pytest.mark.parametrize("key", _cases(sorted(BEFORE)), ids=lambda k: f"{k[0]}-{k[1]}")
 def test_graph_breaks_before_and_after(key: Tuple[str, str]) -> None:
     """Three Dynamo passes: explain before and after the patch (each capturing every logged break: no break
     logged is what fullgraph=True needs, test_fullgraph_fails_before tries it), then the fullgraph compile."""
@@ -151,9 +167,7 @@ _FAST_FULLGRAPH = {("flux1", "scale, no PEFT"), ("feedforward", "scale= (depreca
 
 
 @pytest.mark.parametrize(
-    "key",
-    [("flux1", "3-D ids")]
-    + [pytest.param(key, marks=() if key in _FAST_FULLGRAPH else pytest.mark.slow) for key in _UNDER_REPORTED],
+    "key", _cases([("flux1", "3-D ids"), *_UNDER_REPORTED], {("flux1", "3-D ids"), *_FAST_FULLGRAPH}),
     ids=lambda k: f"{k[0]}-{k[1]}",
 )
 def test_fullgraph_fails_before(key: Tuple[str, str]) -> None:
