@@ -93,10 +93,10 @@ FAST_CASES = {
 }
 
 
-def _cases(keys: Any, fast: Any = FAST_CASES) -> List[Any]:
-    """``keys`` as parameters; those not in ``fast`` marked slow (and by_diffusers: they differ by release)."""
-    return [pytest.param(key, marks=() if key in fast else (pytest.mark.slow, pytest.mark.by_diffusers))
-            for key in keys]
+def _cases(keys: Any, fast: Any = FAST_CASES, by_diffusers: bool = True) -> List[Any]:
+    """``keys`` as parameters; those not in ``fast`` marked slow (and by_diffusers: the sites differ by release)."""
+    slow = (pytest.mark.slow, pytest.mark.by_diffusers) if by_diffusers else (pytest.mark.slow,)
+    return [pytest.param(key, marks=() if key in fast else slow) for key in keys]
 
 
 @pytest.fixture(autouse=True)
@@ -167,7 +167,7 @@ _FAST_FULLGRAPH = {("flux1", "scale, no PEFT"), ("feedforward", "scale= (depreca
 
 
 @pytest.mark.parametrize(
-    "key", _cases([("flux1", "3-D ids"), *_UNDER_REPORTED], {("flux1", "3-D ids"), *_FAST_FULLGRAPH}),
+    "key", _cases([("flux1", "3-D ids"), *_UNDER_REPORTED], {("flux1", "3-D ids"), *_FAST_FULLGRAPH}, False),
     ids=lambda k: f"{k[0]}-{k[1]}",
 )
 def test_fullgraph_fails_before(key: Tuple[str, str]) -> None:
