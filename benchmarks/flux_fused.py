@@ -338,6 +338,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--after-compile", action="store_true",
+                        help="compile a 3-op function first: the eager steps then run in a process where "
+                             "torch.compile has run (issue 17 measured a slower host path there)")
     args = parser.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     args.patterns = [p for p in args.patterns.split(",") if p]
@@ -355,9 +358,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     forced = contextlib.nullcontext()
     if args.tiny:  # CPU: let the patches run their fused path through the PyTorch tier
-        from torchpatches.ops._fused_tiers import force_tier
+        from torchpatches.ops._tiers import force_tier
 
         forced = force_tier("torch")
+    if args.after_compile:
+        device = torch.device("cpu" if args.tiny else "cuda")
+        torch.compile(lambda x: (x * 2).sin().sum())(torch.ones(4, device=device))
+        results["after_compile"] = True
     with forced:
         for name in [m for m in args.models.split(",") if m]:
             run_model(name, args, results, save)

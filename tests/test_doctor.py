@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import torchpatches
-from torchpatches import _capture, _doctor, testing
+from torchpatches import _capture, _doctor, _doctor_rows, testing
 from torchpatches._declare import Site
 from torchpatches._sites import DeclaredSite
 
@@ -115,8 +115,9 @@ def test_flux_3d_ids_two_breaks_both_fixed(flux_report: "_doctor.DoctorReport") 
 
 def test_flux_report_json_schema(flux_report: "_doctor.DoctorReport") -> None:
     data = json.loads(json.dumps(flux_report.to_json()))
-    assert data["schema"] == "torchpatches.doctor/1"
+    assert data["schema"] == "torchpatches.doctor/2"
     assert {"breaks", "recompiles", "fullgraph_ok", "patches", "graphs", "exit_code"} <= set(data)
+    assert (data["verdict"], data["not_judged"], data["fullgraph_why"], data["applied_by_workload"]) == ("clean", "", "", [])
     for row in data["breaks"]:
         assert {"file", "line", "reason", "fixed_by", "status", "function", "stack"} <= set(row)
     assert data["patches"]["compile_warnings"]["state"] == "applied"
@@ -205,14 +206,28 @@ def test_marked_dynamic_does_not_recompile() -> None:
 
 
 # ---- the CLI agrees with the API --------------------------------------------------------------------------
+# End to end (a `python -m torchpatches` process): the FLUX case (slow) and the hostile script below. The other
+# CLI cases call main(argv) in this process; each run of a script is still a child process of its own.
 
 
-def _cli(*args: str, cwd: Path, env: Any = None) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path, env: Any = None, **kwargs: Any) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "torchpatches", "doctor", *args], cwd=cwd, env=env, capture_output=True, text=True,
-        timeout=600,
+        timeout=600, **kwargs,
     )
+
+
+def _main(capsys: pytest.CaptureFixture, *argv: str) -> Tuple[int, str, str]:
+    """``python -m torchpatches doctor ARGV`` in this process: (exit status, stdout, stderr)."""
+    from torchpatches.__main__ import main
+
+    try:
+        code = main(["doctor", *argv])
+    except SystemExit as stop:  # argparse's usage errors
+        code = stop.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.slow
@@ -226,18 +241,16 @@ def test_cli_and_api_agree_on_flux(tmp_path: Path, flux_report: "_doctor.DoctorR
             compiled(**testing.tiny_inputs("flux1", ids_3d=True))
         print("the script's own output")
     """))
-    done = _cli("--json", str(script), cwd=tmp_path)
+    done = _cli("--json-out", "report.json", str(script), cwd=tmp_path)  # the table on stdout, JSON in the file
     assert done.returncode == 0, done.stderr[-3000:]
-    data = json.loads(done.stdout)  # the script's prints went to stderr
-    assert "the script's own output" in done.stderr
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert done.stdout.count("the script's own output") == 3  # each run's prints, as under python
     assert _row_keys(data["breaks"]) == _row_keys(flux_report.to_json()["breaks"])
     assert data["fullgraph_ok"] is True and data["graphs"] == flux_report.graphs
-
-    table = _cli(str(script), cwd=tmp_path)
-    assert table.returncode == 0 and "fixed by compile_warnings" in table.stdout
+    assert "fixed by compile_warnings" in done.stdout
 
 
-def test_cli_exit_codes(tmp_path: Path) -> None:
+def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     script = tmp_path / "item.py"
     script.write_text(textwrap.dedent(f"""
         import sys, torch
@@ -245,25 +258,28 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
         from test_doctor import ItemBranch
         torch.compile(ItemBranch(), backend="eager")(torch.ones(2, int(sys.argv[1])))
     """))
-    done = _cli("--json", str(script), "4", cwd=tmp_path)  # "4" reaches the script as sys.argv[1]
-    assert done.returncode == 1, done.stderr[-3000:]
-    data = json.loads(done.stdout)
+    out_file = tmp_path / "report.json"
+    # "4" reaches the script as sys.argv[1]; the table goes to stdout, the JSON to the file
+    code, out, _ = _main(capsys, "--no-baseline", "--no-fullgraph", "--json-out", str(out_file), str(script), "4")
+    assert code == 1
+    data = json.loads(out_file.read_text())
     api = torchpatches.doctor(ItemBranch(), torch.ones(2, 4))
     assert _row_keys(data["breaks"]) == _row_keys(api.to_json()["breaks"])
-    assert data["exit_code"] == 1 and data["breaks"][0]["hint"]
+    assert data["exit_code"] == 1 and data["breaks"][0]["hint"] and data["verdict"] == "breaks"
+    assert "hint for" in out and "graph breaks: 1 site(s), 1 remain" in out
 
-    assert _cli(str(tmp_path / "missing.py"), cwd=tmp_path).returncode == 2
-    assert _cli(cwd=tmp_path).returncode == 2
-    assert _cli("--bogus", str(script), cwd=tmp_path).returncode == 2
+    assert _main(capsys, str(tmp_path / "missing.py"))[0] == 2
+    assert _main(capsys)[0] == 2
+    assert _main(capsys, "--bogus", str(script))[0] == 2
 
 
-def test_cli_reports_a_failing_script(tmp_path: Path) -> None:
-    script = tmp_path / "boom.py"
-    script.write_text("raise RuntimeError('boom')\n")
-    done = _cli("--json", "--no-fullgraph", str(script), cwd=tmp_path)
-    data = json.loads(done.stdout)
-    assert data["errors"] == {"without_patches": "RuntimeError: boom", "with_patches": "RuntimeError: boom"}
-    assert data["fullgraph_ok"] is None and done.returncode == 1
+def test_a_failing_workload_is_reported() -> None:
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    report = _doctor.diagnose(torchpatches, boom, target="boom", fullgraph=False)
+    assert report.errors == {"without_patches": "RuntimeError: boom", "with_patches": "RuntimeError: boom"}
+    assert report.fullgraph_ok is None and report.exit_code == 1 and report.verdict == "run_failed"
 
 
 # ---- classification, without compiling ---------------------------------------------------------------------
@@ -308,21 +324,21 @@ def test_rows_fixed_fixable_open_and_drift(user_module: Tuple[str, str]) -> None
     sites = [DeclaredSite("p", function, Site("logger.warning", "when x", function=function))]
     site_break, other = _break(path, 4), _break(path, 5, "Unsupported Tensor.item() call")
 
-    fixed = _doctor._rows(_captured(site_break, other), _captured(other), _status("applied"), sites)
+    fixed = _doctor_rows.break_rows(_captured(site_break, other), _captured(other), _status("applied"), sites)
     assert [(r.line, r.status, r.fixed_by) for r in fixed] == [(5, "open", None), (4, "fixed", "p")]
 
-    fixable = _doctor._rows(_captured(site_break), _captured(site_break), _status("disabled", "disabled", "off"), sites)
+    fixable = _doctor_rows.break_rows(_captured(site_break), _captured(site_break), _status("disabled", "disabled", "off"), sites)
     assert [(r.status, r.fixable_by, r.why) for r in fixable] == [("fixable", "p", "p is disabled: off")]
 
-    drift = _doctor._rows(_captured(site_break), _captured(site_break), _status("applied"), sites)
+    drift = _doctor_rows.break_rows(_captured(site_break), _captured(site_break), _status("applied"), sites)
     assert drift[0].status == "open" and "still breaks" in drift[0].why
 
-    undeclared = _doctor._rows(_captured(other), _captured(), _status("applied"), sites)
+    undeclared = _doctor_rows.break_rows(_captured(other), _captured(), _status("applied"), sites)
     assert undeclared[0].status == "fixed" and undeclared[0].fixed_by is None
 
     # A break below the site (inside the called logger) is matched through the traced stack.
     deep = _break("/elsewhere/logging.py", 99, stack=(_capture.Frame(path, 4, "f"), _capture.Frame("/elsewhere/logging.py", 99, "warning")))
-    assert _doctor._rows(_captured(deep), _captured(), _status("applied"), sites)[0].fixed_by == "p"
+    assert _doctor_rows.break_rows(_captured(deep), _captured(), _status("applied"), sites)[0].fixed_by == "p"
 
 
 def test_a_site_shared_by_targets_is_fixable_while_one_of_them_is_not_applied(user_module: Tuple[str, str]) -> None:
@@ -336,12 +352,12 @@ def test_a_site_shared_by_targets_is_fixable_while_one_of_them_is_not_applied(us
     targets = (SimpleNamespace(path="m:A.forward", state=state("applied"), reason="m:A.forward replaced"),
                SimpleNamespace(path="m:B.forward", state=state("skipped"), reason="m:B.forward differs"))
     status = {"p": SimpleNamespace(state=state("applied"), reason="1/2 target(s) patched", targets=targets)}
-    rows = _doctor._rows(_captured(_break(path, 4)), _captured(_break(path, 4)), status, sites)
+    rows = _doctor_rows.break_rows(_captured(_break(path, 4)), _captured(_break(path, 4)), status, sites)
     assert [(r.status, r.fixable_by, r.why) for r in rows] == [("fixable", "p", "p is skipped: m:B.forward differs")]
 
     applied = {"p": SimpleNamespace(state=state("applied"), reason="2/2", targets=(
         targets[0], SimpleNamespace(path="m:B.forward", state=state("applied"), reason="replaced")))}
-    rows = _doctor._rows(_captured(_break(path, 4)), _captured(_break(path, 4)), applied, sites)
+    rows = _doctor_rows.break_rows(_captured(_break(path, 4)), _captured(_break(path, 4)), applied, sites)
     assert rows[0].status == "open" and "still breaks" in rows[0].why
 
 
@@ -359,7 +375,7 @@ def test_a_site_shared_by_targets_is_fixable_while_one_of_them_is_not_applied(us
     ],
 )
 def test_remedies(reason: str, expected: str) -> None:
-    assert expected in _doctor._remedy(_doctor._clean_reason(reason))
+    assert expected in _doctor_rows.remedy(_doctor_rows.clean_reason(reason))
 
 
 # ---- capture degrades instead of raising --------------------------------------------------------------------
@@ -393,7 +409,7 @@ def test_capture_restores_dynamo() -> None:
 
 
 def test_import_does_not_load_the_doctor() -> None:
-    code = "import sys, torchpatches; print([m for m in ('torchpatches._doctor', 'torchpatches._capture', 'torchpatches._sites') if m in sys.modules])"
+    code = "import sys, torchpatches; print([m for m in ('torchpatches._doctor', 'torchpatches._doctor_report', 'torchpatches._doctor_rows', 'torchpatches._doctor_script', 'torchpatches._capture', 'torchpatches._sites') if m in sys.modules])"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -419,33 +435,42 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("code", [0, 3])
-def test_cli_script_with_main_guard_argv_reset_and_sys_exit(tmp_path: Path, code: int) -> None:
+def test_script_with_main_guard_argv_reset_and_sys_exit(tmp_path: Path, capsys: pytest.CaptureFixture, code: int) -> None:
+    """What each run's child process does with the script (`script_workload` + the runs), in this process;
+    the child processes themselves are tested end to end below (test_cli_each_run_is_a_fresh_python...)."""
+    from torchpatches._doctor_script import script_workload
+
     script = tmp_path / "exits.py"
     script.write_text(_EXITING)
-    done = _cli("--json", str(script), str(code), cwd=tmp_path)
-    data = json.loads(done.stdout)
-    assert f"argv ['{code}']" in done.stderr  # it ran as __main__, with its arguments
+    argv, path = sys.argv[:], sys.path[:]
+    try:
+        report = _doctor.diagnose(torchpatches, script_workload(str(script), [str(code)]), target=str(script))
+    finally:
+        sys.argv[:], sys.path[:] = argv, path
+    data = report.to_json()
+    assert capsys.readouterr().out.count(f"argv ['{code}']") == 3  # it ran as __main__, with its arguments
     assert data["breaks"] == [] and data["recompiles"] == []
     if code == 0:
-        assert data["errors"] == {} and data["fullgraph_ok"] is True and done.returncode == 0
+        assert data["errors"] == {} and data["fullgraph_ok"] is True and report.exit_code == 0
     else:  # a run that did not finish is reported, and exit status 1 says the report is not clean
         assert data["errors"] == {"without_patches": "SystemExit: 3", "with_patches": "SystemExit: 3"}
         assert data["fullgraph_ok"] is None  # failing the same way with fullgraph says nothing about breaks
         assert any("fails the same way" in note for note in data["notes"])
-        assert done.returncode == 1
+        assert report.exit_code == 1
 
 
-def test_cli_usage_errors_say_what_is_wrong(tmp_path: Path) -> None:
-    missing = _cli(str(tmp_path / "missing.py"), cwd=tmp_path)
-    assert missing.returncode == 2 and "no such script" in missing.stderr and missing.stdout == ""
+def test_cli_usage_errors_say_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = _main(capsys, str(tmp_path / "missing.py"))
+    assert code == 2 and "no such script" in err and out == ""
     broken = tmp_path / "broken.py"
     broken.write_text("def f(:\n")
-    done = _cli(str(broken), cwd=tmp_path)
-    assert done.returncode == 2 and "SyntaxError" in done.stderr and done.stdout == ""
-    assert _cli(str(tmp_path), cwd=tmp_path).returncode == 2  # a directory is not a script
+    code, out, err = _main(capsys, str(broken))
+    assert code == 2 and "SyntaxError" in err and out == ""
+    assert _main(capsys, str(tmp_path))[0] == 2  # a directory is not a script
 
 
-def test_cli_with_the_patch_disabled_by_the_environment(tmp_path: Path) -> None:
+def test_cli_with_the_patch_disabled_by_the_environment(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("diffusers")
     script = tmp_path / "ff.py"
     script.write_text(textwrap.dedent("""
@@ -454,18 +479,17 @@ def test_cli_with_the_patch_disabled_by_the_environment(tmp_path: Path) -> None:
         model = testing.build_model("feedforward")
         torch.compile(model, backend="eager")(**testing.tiny_inputs("feedforward", scale=0.5))
     """))
-    env = {"TORCHPATCHES_DISABLE": "compile_warnings"}
-    done = _cli("--json", str(script), cwd=tmp_path, env=env)
-    data = json.loads(done.stdout)
-    assert done.returncode == 1, done.stderr[-3000:]
+    monkeypatch.setenv("TORCHPATCHES_DISABLE", "compile_warnings")  # the runs' processes read it
+    out_file = tmp_path / "report.json"
+    code, table, _ = _main(capsys, "--no-baseline", "--no-fullgraph", "--json-out", str(out_file), str(script))
+    data = json.loads(out_file.read_text())
+    assert code == 1
     assert data["patches"]["compile_warnings"]["state"] == "disabled"
     assert data["breaks"] and {row["status"] for row in data["breaks"]} == {"fixable"}
     assert {row["fixable_by"] for row in data["breaks"]} == {"compile_warnings"}
     assert all("TORCHPATCHES_DISABLE" in row["why"] for row in data["breaks"]), data["breaks"]
-    assert data["fullgraph_ok"] is False
-
-    table = _cli(str(script), cwd=tmp_path, env=env)
-    assert table.returncode == 1 and "fixable by compile_warnings: compile_warnings is disabled" in table.stdout
+    # fullgraph_ok is False then: test_flux_fixable_when_the_patch_is_disabled (the same verdict code)
+    assert "fixable by compile_warnings: compile_warnings is disabled" in table
 
 
 def test_api_after_the_users_own_reset() -> None:
@@ -480,7 +504,7 @@ def test_a_recompiled_replacement_is_named_by_the_def_in_its_file() -> None:
     """A patch's replacement is a copy compiled inside a factory; its code says "_torchpatches_factory.<locals>"."""
     event = _capture.Recompile("_torchpatches_factory.<locals>.forward", __file__, _line_of("DECORATED"),
                                ("tensor 'x' size mismatch at index 0. expected 1, actual 3",))
-    [row] = _doctor._recompile_rows([event])
+    [row] = _doctor_rows.recompile_rows([event])
     assert row.function == "Decorated.forward" and "mark_dynamic" in row.remedy
 
 
@@ -494,3 +518,203 @@ def test_a_recompiled_replacement_is_named_by_the_def_in_its_file() -> None:
 )
 def test_resume_functions_are_named_by_the_function_they_resume(name: str, expected: str) -> None:
     assert _capture.clean_function_name(name) == expected
+
+
+# ---- issue 18: a script that does what scripts do, each run as under `python` ------------------------------
+
+_HOSTILE = """
+import atexit, multiprocessing, os, subprocess, sys
+import torch
+import torchpatches
+
+def worker():
+    print("from a multiprocessing worker", flush=True)
+
+if __name__ == "__main__":
+    line = sys.stdin.readline()                 # each run reads the same stdin
+    os.chdir("data")                            # each run starts in the directory `python` starts in
+    seen = [os.environ.get("TP_SEEN"), sys.argv[1:], sys.path[0] == os.path.dirname(os.path.abspath(__file__)),
+            "/nowhere" in sys.path, getattr(torch, "_tp_seen", None)]
+    os.environ["TP_SEEN"] = "1"; sys.argv.append("mutated"); sys.path.insert(0, "/nowhere"); torch._tp_seen = 1
+    print("print")
+    sys.__stdout__.write("sys.__stdout__\\n"); sys.__stdout__.flush()
+    os.write(1, b"os.write\\n")
+    os.system("echo os.system")
+    subprocess.run([sys.executable, "-c", "print('a child process')"])
+    process = multiprocessing.get_context("fork").Process(target=worker); process.start(); process.join()
+    atexit.register(lambda: print("atexit"))
+    if os.environ.get("TORCHPATCHES_DISABLE") == "all":
+        torchpatches.apply("rope")              # the script patches the baseline itself
+    torch.compile(torch.nn.Linear(4, 4), backend="eager")(torch.ones(int(line), 4))
+    print("RUN", repr(line), seen, file=sys.stderr)
+"""
+
+
+def test_cli_each_run_is_a_fresh_python_and_json_stays_alone_on_stdout(tmp_path: Path) -> None:
+    script = tmp_path / "hostile.py"
+    script.write_text(_HOSTILE)
+    (tmp_path / "data").mkdir()
+    done = _cli("--json", str(script), "--", "b", cwd=tmp_path, input="3\n")
+    data = json.loads(done.stdout)  # nothing the script or its processes wrote reached stdout
+    runs = [line for line in done.stderr.splitlines() if line.startswith("RUN ")]
+    assert runs == ["RUN '3\\n' [None, ['--', 'b'], True, False, None]"] * 3, done.stderr[-3000:]
+    for text in ("print", "sys.__stdout__", "os.write", "os.system", "a child process", "from a multiprocessing "
+                 "worker", "atexit"):
+        assert done.stderr.count(text) >= 3, text
+    assert data["errors"] == {} and data["graphs"] == {"without_patches": 1, "with_patches": 1}
+    assert data["applied_by_workload"] == ["rope"] and any("applied rope itself" in n for n in data["notes"])
+    assert data["verdict"] == "clean" and data["fullgraph_ok"] is True and done.returncode == 0
+
+
+def test_a_run_that_ends_with_os_exit_is_still_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each run's child does when the script ends its process with os._exit(n) to skip teardown."""
+    from torchpatches import _doctor_script
+
+    class Ended(BaseException):
+        pass
+
+    def real_exit(code: int) -> None:
+        raise Ended(code)
+
+    monkeypatch.setattr(os, "_exit", real_exit)
+    finished: List[Any] = []
+    errors: Dict[str, str] = {}
+    _doctor_script._finish_on_os_exit(finished.append, errors, "with_patches")
+    with pytest.raises(Ended), _capture.capture():
+        torch.compile(Plain(), backend="eager")(torch.ones(2, 4))
+        os._exit(3)
+    [captured] = finished
+    assert captured.graphs == 1 and errors == {"with_patches": "os._exit(3)"}
+    assert os._exit is real_exit  # the hook ran once and put the real one back
+
+
+def test_stdin_is_replayed_to_every_run_and_an_endless_stream_does_not_stall() -> None:
+    from torchpatches._doctor_script import StdinReplay
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"3\n")  # the stream stays open: never an EOF
+    replay = StdinReplay(read_end)
+    try:
+        for _ in range(3):  # each run reads one line, as a script would; each gets the same line
+            run_read, run_write = os.pipe()
+            replay.feed(os.fdopen(run_write, "wb"))
+            with os.fdopen(run_read, "rb") as pipe:
+                assert pipe.readline() == b"3\n"
+    finally:
+        os.close(write_end)
+
+
+# ---- issue 18: verdicts the doctor cannot know are "not judged" ------------------------------------------------
+
+
+def test_a_workload_that_compiles_nothing_is_not_judged() -> None:
+    model = Plain()
+    for workload in (lambda: model(torch.ones(2, 4)), lambda: None):
+        report = torchpatches.doctor(workload)
+        assert report.graphs["with_patches"] == 0 and report.breaks == []
+        assert report.verdict == "not_judged" and "nothing was compiled" in report.not_judged
+        assert report.fullgraph_ok is None and report.exit_code == 3
+        assert "not judged" in str(report) and report.to_json()["exit_code"] == 3
+
+
+def test_a_partial_of_a_module_is_the_module_called_with_its_arguments() -> None:
+    clean = torchpatches.doctor(functools.partial(Plain(), torch.ones(2, 4)))
+    assert clean.graphs["with_patches"] == 1 and clean.verdict == "clean" and clean.fullgraph_ok is True
+    report = torchpatches.doctor(functools.partial(functools.partial(ItemBranch()), x=torch.ones(2, 4)))
+    assert [(r.line, r.status) for r in report.breaks] == [(_line_of("ITEM"), "open")] and report.exit_code == 1
+
+
+@pytest.mark.parametrize("how", ["error_on_graph_break(False)", "caught"])
+def test_fullgraph_is_not_true_while_a_break_is_open(how: str) -> None:
+    compiled = torch.compile(ItemBranch(), backend="eager")
+
+    def workload() -> None:
+        if how == "caught":
+            try:
+                compiled(torch.ones(2, 4))
+            except Exception:  # noqa: BLE001 - the user's own error handling swallows fullgraph's error
+                torch._dynamo.reset()
+                ItemBranch()(torch.ones(2, 4))
+        else:
+            with torch._dynamo.error_on_graph_break(False):
+                compiled(torch.ones(2, 4))
+
+    report = torchpatches.doctor(workload)
+    assert [row.status for row in report.breaks] == ["open"]
+    assert report.fullgraph_ok is None and report.fullgraph_why.startswith("not judged")
+    assert report.exit_code == 1 and "fullgraph=True: not judged" in str(report)
+
+
+def test_a_workload_that_patches_the_baseline_is_named() -> None:
+    before = {name: entry.state for name, entry in torchpatches.status().items()}
+
+    def workload() -> None:
+        torchpatches.apply("rope")
+        torch.compile(Plain(), backend="eager")(torch.ones(2, 4))
+
+    report = torchpatches.doctor(workload)
+    assert report.applied_by_workload == ["rope"] and "applied rope itself" in str(report)
+    assert {name: entry.state for name, entry in torchpatches.status().items()} == before
+
+
+# ---- issue 18: a closed stdout, and `--` for the script -----------------------------------------------------
+
+
+class _ClosedPipe:
+    """A stdout whose reader has gone (``| head -c 10``), on a real descriptor the idiom can dup over."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "w")
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+
+def test_a_closed_stdout_exits_141_without_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchpatches import __main__ as cli
+
+    script = tmp_path / "quiet.py"
+    script.write_text("import torch\ntorch.compile(torch.nn.Linear(4, 4), backend='eager')(torch.ones(1, 4))\n")
+    for argv in (["--json"], ["doctor", "--json", "--no-baseline", "--no-fullgraph", str(script)]):
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(tmp_path / "stdout"))
+        assert cli.run(argv) == cli.EXIT_BROKEN_PIPE == 141  # not 1: "failed" / "breaks remain"
+
+
+@pytest.mark.parametrize(
+    "argv, options, script_args",
+    [
+        (["s.py", "--", "b"], ["s.py"], ["--", "b"]),
+        (["--json", "s.py", "--json", "-x"], ["--json", "s.py"], ["--json", "-x"]),
+        (["--json-out", "r.json", "s.py", "a"], ["--json-out", "r.json", "s.py"], ["a"]),
+        (["--", "-s.py", "a"], ["--", "-s.py"], ["a"]),
+    ],
+)
+def test_everything_after_the_script_is_the_scripts(argv: List[str], options: List[str], script_args: List[str]) -> None:
+    from torchpatches.__main__ import _split_script
+
+    assert _split_script(argv) == (options, script_args)
+
+
+# ---- issue 15: the doctor's modules import nothing from the package above them ------------------------------
+
+
+@pytest.mark.parametrize("module", ["_doctor", "_doctor_report", "_doctor_rows", "_doctor_script", "_capture", "_sites"])
+def test_no_upward_import(module: str) -> None:
+    import ast
+
+    tree = ast.parse((ROOT / "torchpatches" / f"{module}.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            assert not any(alias.name == "torchpatches" for alias in node.names), ast.dump(node)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.module != "torchpatches" or node.level, ast.dump(node)
+            if node.level == 1 and node.module is None:  # from . import x: x must be a module, not __init__'s name
+                for alias in node.names:
+                    assert (ROOT / "torchpatches" / f"{alias.name}.py").exists() or (
+                        ROOT / "torchpatches" / alias.name).is_dir(), alias.name

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import traceback
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import _env
 from ._declare import Patch, Site, Target
@@ -26,7 +26,7 @@ from ._status import PatchState, PatchStatus, Status, TargetStatus
 from .patches import PATCH_MODULES
 
 if TYPE_CHECKING:
-    from ._doctor import DoctorReport
+    from ._doctor_report import DoctorReport
 
 __version__ = "0.1.0.dev0"
 
@@ -50,16 +50,33 @@ __all__ = [
 Names = Union[str, Iterable[str], None]
 
 
-def _load_patches() -> Tuple[List[Patch], Dict[str, str]]:
+def _load_patches() -> Tuple[List[Patch], Dict[str, str], Dict[str, str]]:
+    """The patches, the patch files that failed to load, and those skipped: they import a package
+    (torch) that is not installed -- nothing to patch then, so not a failure."""
     patches: List[Patch] = []
     errors: Dict[str, str] = {}
+    skipped: Dict[str, str] = {}
     for module_name in PATCH_MODULES:
         try:
             module = importlib.import_module(f"{__name__}.patches.{module_name}")
             patches.append(module.PATCH)
         except Exception as error:  # one broken patch file must not take the others down
-            errors[module_name] = "".join(traceback.format_exception_only(type(error), error)).strip()
-    return patches, errors
+            missing = _not_installed(error)
+            if missing is not None:
+                skipped[module_name] = missing
+            else:
+                errors[module_name] = "".join(traceback.format_exception_only(type(error), error)).strip()
+    return patches, errors, skipped
+
+
+def _not_installed(error: BaseException) -> Optional[str]:
+    """Why a patch file could not load when it is for want of a package that is not installed, else None."""
+    name = getattr(error, "name", None) if isinstance(error, ImportError) else None
+    if not name:
+        return None
+    from . import _gates
+
+    return _gates.not_installed_reason(name.split(".", 1)[0])
 
 
 _registry = Registry(*_load_patches())
@@ -151,11 +168,14 @@ def doctor(fn_or_module: Any, *args: Any, **kwargs: Any) -> "DoctorReport":
     ``fn_or_module`` is compiled with ``backend="eager"`` and called once; a zero-argument callable that
     is neither a module nor compiled is run as it is, capturing every compile inside it. Returns a
     ``DoctorReport``: ``str()`` is a table, ``.to_json()`` the stable form, ``.exit_code`` 0 when no
-    graph break remains. Calls ``torch._dynamo.reset()`` between its runs.
+    graph break remains (1 when breaks remain, 3 when nothing was compiled: not judged). Calls
+    ``torch._dynamo.reset()`` between its runs.
     """
-    from ._doctor import doctor as run  # lazily: the doctor is not part of the import path
+    import sys
 
-    return run(fn_or_module, *args, **kwargs)
+    from . import _doctor  # lazily: the doctor is not part of the import path
+
+    return _doctor.doctor(sys.modules[__name__], fn_or_module, args, kwargs)
 
 
 _apply(None)  # at import: every eligible patch, without building a status report

@@ -5,6 +5,8 @@
     python -m torchpatches --json          # machine-readable
     python -m torchpatches demo            # compile a tiny model with the patches, then status
     python -m torchpatches doctor [--json] SCRIPT [ARGS...]   # the script's graph breaks and recompiles
+
+Exit status 141 when stdout is closed early (``| head``).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import importlib
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torchpatches
 
@@ -46,20 +48,48 @@ def _status_json(status: torchpatches.Status) -> str:
     )
 
 
+#: Exit status when stdout is closed before the report is written (``... | head``): 128 + SIGPIPE, as
+#: a shell reports a process that SIGPIPE ended; 1 stays "a patch failed" / "graph breaks remain".
+EXIT_BROKEN_PIPE = 141
+
+_DOCTOR_OPTIONS_WITH_VALUE = ("--json-out",)
+
+
+def _split_script(argv: List[str]) -> Tuple[List[str], List[str]]:
+    """(the doctor's options and SCRIPT, the script's arguments verbatim): everything after SCRIPT is the
+    script's, ``--`` included, as ``python SCRIPT -- b`` passes it; a ``--`` before SCRIPT ends the options."""
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        if token == "--":  # kept for argparse: SCRIPT may start with "-"
+            return argv[:index + 2], argv[index + 2:]
+        if token in _DOCTOR_OPTIONS_WITH_VALUE:
+            index += 2
+            continue
+        if not token.startswith("-") or token == "-":
+            return argv[:index + 1], argv[index + 1:]
+        index += 1
+    return argv, []
+
+
 def _doctor_main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m torchpatches doctor",
-        description="Run SCRIPT as __main__ three times -- without torchpatches, with it, and with fullgraph "
-        "semantics -- and report every graph break (and the patch that removes it), every recompile "
-        "(and the guard that failed), and whether fullgraph=True compiles. Exit status: 0 when no graph "
-        "break remains, 1 when some remain, 2 on a usage error.",
+        usage="%(prog)s [--json] [--json-out FILE] [--no-baseline] [--no-fullgraph] SCRIPT [ARGS...]",
+        description="Run SCRIPT as __main__ three times, each in its own process -- without torchpatches, "
+        "with it, and with fullgraph semantics -- and report every graph break (and the patch that removes it), "
+        "every recompile (and the guard that failed), and whether fullgraph=True compiles. Exit status: 0 when "
+        "no graph break remains, 1 when some remain (or the run with torchpatches failed), 2 on a usage error, "
+        "3 when nothing can be judged (nothing was compiled).",
     )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON (the script's own prints go to stderr)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout (everything the "
+                        "script and its processes write to stdout goes to stderr)")
+    parser.add_argument("--json-out", metavar="FILE", help="also write the report as JSON to FILE")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run without torchpatches (fixed breaks are not listed)")
     parser.add_argument("--no-fullgraph", action="store_true", help="skip the fullgraph trial")
     parser.add_argument("script", help="a Python script; it runs with torchpatches applied")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    args = parser.parse_args(argv)
+    options, script_args = _split_script(argv)
+    args = parser.parse_args(options)
     if not os.path.isfile(args.script):
         parser.error(f"no such script: {args.script}")  # exits with status 2
     try:  # a script that cannot run at all is a usage error, not a finding
@@ -68,21 +98,29 @@ def _doctor_main(argv: List[str]) -> int:
     except (OSError, SyntaxError, ValueError) as error:
         parser.error(f"cannot run {args.script}: {type(error).__name__}: {error}")
 
-    from . import _doctor
+    from . import _doctor_script
 
-    workload = _doctor.script_workload(args.script, args.args, stdout=sys.stderr if args.json else None)
-    report = _doctor.diagnose(
-        workload, target=args.script, baseline=not args.no_baseline, fullgraph=not args.no_fullgraph
+    report = _doctor_script.diagnose_script(
+        torchpatches, args.script, script_args, json_mode=args.json, baseline=not args.no_baseline,
+        fullgraph=not args.no_fullgraph,
     )
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as handle:
+            json.dump(report.to_json(), handle, indent=2)
     print(json.dumps(report.to_json(), indent=2) if args.json else report)
     return report.exit_code
+
+
+def _description() -> str:
+    """The first line of this module's docstring (None under ``python -OO``)."""
+    return (__doc__ or "python -m torchpatches: the status table").splitlines()[0]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["doctor"]:
         return _doctor_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m torchpatches", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m torchpatches", description=_description())
     parser.add_argument("command", nargs="?", choices=("status", "demo", "doctor"), default="status")
     parser.add_argument("--load", action="store_true", help="import the patch targets first")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -93,7 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "demo":
         from . import _demo
 
-        _demo.run()
+        _demo.run(torchpatches)
     elif args.load:
         for failure in _import_targets():
             print(f"note: could not import {failure}", file=sys.stderr)
@@ -102,5 +140,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 1 if any(entry.state is torchpatches.PatchState.FAILED for entry in status.values()) else 0
 
 
+def run(argv: Optional[List[str]] = None) -> int:
+    """:func:`main`, with a closed stdout handled as the Python docs advise for SIGPIPE: no traceback,
+    the rest of the output to devnull, and its own exit status (:data:`EXIT_BROKEN_PIPE`)."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()  # inside the try: a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -32,7 +32,7 @@ import re
 import threading
 from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Tuple
 
-__all__ = ["Frame", "GraphBreak", "Recompile", "Capture", "capture", "clean_function_name"]
+__all__ = ["Frame", "GraphBreak", "Recompile", "Capture", "capture", "in_progress", "clean_function_name"]
 
 _log = logging.getLogger("torchpatches")
 
@@ -293,6 +293,19 @@ def _graph_counter() -> Optional[int]:
 
 
 _install_notes: List[str] = []
+
+
+def in_progress() -> Optional[Capture]:
+    """The innermost ``capture()`` block running now, its graph count brought up to date: what a
+    process that ends inside the block (``os._exit``) can still report."""
+    with _lock:
+        if not _active:
+            return None
+        result = _active[-1]
+    end, start = _graph_counter(), result._graphs_at_start
+    if start is not None and end is not None and end >= start:
+        result.graphs = end - start
+    return result
 
 
 @contextlib.contextmanager

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict
 
-import torchpatches
-
 
 def _compile_report(model: Any, inputs: Dict[str, Any], reference: Any) -> str:
     import torch
@@ -29,8 +27,8 @@ def _compile_report(model: Any, inputs: Dict[str, Any], reference: Any) -> str:
     return f"{report.graphs} graph(s), {report.breaks} graph break(s); {verdict}"
 
 
-def run() -> None:
-    """Print the before/after comparison (a CLI command, so printing is its job)."""
+def run(api: Any) -> None:
+    """Print the before/after comparison (a CLI command, so printing is its job); ``api`` is the package."""
     try:
         import diffusers
         import torch
@@ -46,7 +44,7 @@ def run() -> None:
     with torch.no_grad():
         reference = model(**inputs)[0]
     print(f"tiny FluxTransformer2DModel on {device}, torch {torch.__version__}, diffusers {diffusers.__version__}")
-    with torchpatches.disabled():
+    with api.disabled():
         print(f"  without torchpatches: {_compile_report(model, inputs, reference)}")
     print(f"  with torchpatches:    {_compile_report(model, inputs, reference)}")
     print()

@@ -70,6 +70,9 @@ def _own_source(obj: Any) -> Optional[str]:
         raw = inspect.getsource(target)
     except (OSError, TypeError):
         return None
+    except Exception as error:  # noqa: BLE001 - a file edited into something tokenize rejects (TokenError...)
+        raise SourceMismatch(f"the source of {getattr(obj, '__qualname__', obj)!r} cannot be read: "
+                             f"{type(error).__name__}: {error}") from None
     source = textwrap.dedent(raw)
     if isinstance(code, types.CodeType) and not _compiles_to(raw, code, getattr(obj, "__globals__", {})):
         raise SourceMismatch(

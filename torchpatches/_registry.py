@@ -35,10 +35,12 @@ class _Entry:
 class Registry:
     """Every known patch and its state."""
 
-    def __init__(self, patches: Iterable[Patch], load_errors: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, patches: Iterable[Patch], load_errors: Optional[Mapping[str, str]] = None,
+                 load_skipped: Optional[Mapping[str, str]] = None) -> None:
         self._lock = threading.RLock()
         self._entries: Dict[str, _Entry] = {}
         self._load_errors: Dict[str, str] = dict(load_errors or {})
+        self._load_skipped: Dict[str, str] = dict(load_skipped or {})  # patch files needing a missing package
         self._watched: Set[str] = set()  # target modules whose every load we follow
         for patch in patches:
             if patch.name in self._entries or patch.name in self._load_errors:
@@ -111,7 +113,7 @@ class Registry:
             broken = [
                 PatchStatus(name, PatchState.FAILED, f"patch module did not load: {error}", "", ())
                 for name, error in self._load_errors.items()
-            ]
+            ] + [PatchStatus(name, PatchState.SKIPPED, reason, "", ()) for name, reason in self._load_skipped.items()]
             return Status([self._status_of(entry) for entry in self._entries.values()] + broken)
 
     # ---- applying ---------------------------------------------------------------------------
@@ -202,9 +204,11 @@ class Registry:
             return
         try:
             slot.locate(module)
-        except SkipTarget as skip:
-            slot.set(PatchState.SKIPPED, str(skip))
-            logger.info("torchpatches: %s skipped %s: %s", entry.patch.name, slot.target.path, skip)
+        except Exception as skip:  # noqa: BLE001 - SkipTarget, or anything verifying raised: skip, never raise
+            reason = str(skip) if isinstance(skip, SkipTarget) else (
+                f"cannot verify {slot.target.path} ({type(skip).__name__}: {skip}); not patching blindly")
+            slot.set(PatchState.SKIPPED, reason)
+            logger.info("torchpatches: %s skipped %s: %s", entry.patch.name, slot.target.path, reason)
             return
         try:
             slot.swap_in()

@@ -1,4 +1,4 @@
-"""Comparison helpers for the fused-op tests (not a test module).
+"""Comparison helpers and the hypothesis set-up of the fused-op tests (not a test module).
 
 Differences are measured in ulps of the output dtype at a *scale*: the magnitude of the last rounded
 intermediate (e.g. ``|n * (1 + scale)|`` before ``+ shift``, or ``|(a, b)|`` of a rotated pair). A
@@ -6,9 +6,27 @@ one-ulp difference in that intermediate that cancels to a tiny output then reads
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
+import pytest
 import torch
+from hypothesis import HealthCheck
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    HAS_TRITON = False
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def hyp(max_examples: int) -> Dict[str, Any]:
+    """hypothesis ``settings`` of the op tests: reproducible, no deadline (the interpreter is slow)."""
+    return dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), max_examples=max_examples)
+
 
 MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 #: Unit roundoff per dtype (half an ulp at 1.0).

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from torchpatches.ops import linear_gelu, modulate, qk_norm_rope, slices, swiglu
-from torchpatches.ops._fused_tiers import force_tier
+from torchpatches.ops._tiers import force_tier
 
 try:
     import triton  # noqa: F401
@@ -116,9 +116,9 @@ def test_triton_tier_refuses_calls_autograd_records(case: str) -> None:
 @NEEDS_TRITON
 def test_triton_default_with_grad_goes_to_torch_tier(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the automatic tier is Triton; with a tensor needing grad it must pick the PyTorch tier."""
-    from torchpatches.ops import _fused_tiers
+    from torchpatches.ops import _tiers
 
-    monkeypatch.setattr(_fused_tiers, "_automatic", lambda device_type: "triton")
+    monkeypatch.setattr(_tiers, "_automatic", lambda device_type: "triton")
     x = _randn(2, 3, 8).requires_grad_(True)
     out = modulate.layer_norm_modulate(x, _randn(2, 8), _randn(2, 8))
     assert out.grad_fn is not None

@@ -12,22 +12,13 @@ from typing import Any, Dict
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_checks import UNIT, strided, ulps
+from _fused_checks import DTYPES, UNIT, hyp, needs_triton, strided, ulps
 from torchpatches.ops import modulate
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), max_examples=25)
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HYP = hyp(25)
 
 
 @st.composite

@@ -13,22 +13,13 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_checks import strided, ulps
+from _fused_checks import DTYPES, hyp, needs_triton, strided, ulps
 from torchpatches.ops import linear_gelu, slices, swiglu
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), max_examples=20)
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HYP = hyp(20)
 
 
 @st.composite

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, Callable, Dict, Iterator, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
@@ -21,15 +21,14 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
+from _fused_models import FUSED, reverted, run, tiny  # noqa: E402
 from diffusers.models import activations, normalization  # noqa: E402,F401  (the patch targets load)
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches import _gates  # noqa: E402
-from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu  # noqa: E402
-from torchpatches.ops._fused_tiers import force_tier  # noqa: E402
+from torchpatches.ops._tiers import force_tier  # noqa: E402
 from torchpatches.patches import gate_residual  # noqa: E402
-from torchpatches._harness import build_model, count_kernels, tiny_inputs  # noqa: E402
+from torchpatches._harness import count_kernels  # noqa: E402
 
-FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
 VERIFIED = "0.42.1"
 
 
@@ -39,39 +38,7 @@ def _patch(name: str):
     return importlib.import_module(f"torchpatches.patches.{name}").PATCH
 
 
-@pytest.fixture(autouse=True)
-def fused_on() -> Iterator[None]:
-    """Every fused pattern applied for the test; the previous state restored after it."""
-    were = {name: torchpatches.status()[name].state.value for name in FUSED}
-    torchpatches.apply(list(FUSED))
-    try:
-        yield
-    finally:
-        torchpatches.revert([n for n, s in were.items() if s != "applied"])
-
-
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
-    """How often each fused op body ran."""
-    counts: Dict[str, int] = collections.Counter()
-    for module in (modulate, qk_norm_rope, swiglu, slices):
-        real = module._impl
-
-        def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = module.__name__, **kwargs: Any):
-            counts[_name.rsplit(".", 1)[1]] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(module, "_impl", counting)
-    return counts
-
-
-def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
-    """The harness's ``flux1-fused`` / ``flux2-fused`` (1 double + 2 single blocks), 16 image + 8 text tokens."""
-    config = f"{name}-fused"
-    model = build_model(config, dtype=dtype)
-    inputs = tiny_inputs(config, dtype=dtype)
-    inputs.pop("return_dict")
-    return model, inputs
+pytestmark = pytest.mark.usefixtures("fused_on")
 
 
 def tiny_flux1(dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
@@ -91,14 +58,10 @@ EXPECTED = {
 }
 
 
-def run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**inputs, return_dict=False)[0]
-
-
 def vanilla(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
-    with torchpatches.disabled(*FUSED):
-        return run(model, inputs)
+    """diffusers with the patches reverted: the fused patterns and ``rope`` (whose automatic tier would
+    otherwise differ from the forced one the patched run gets: one forced-tier switch serves all ops)."""
+    return reverted(model, inputs)
 
 
 # ---- declarations and registry promises -------------------------------------------------------
@@ -116,7 +79,7 @@ def test_applied_with_verified_fingerprints_and_revert_by_identity(name: str) ->
         cls = getattr(importlib.import_module(module_name), cls_name)
         replacement = vars(cls)[attr]
         original = replacement.__torchpatches_original__
-        assert replacement.__torchpatches_pattern__ == name
+        assert replacement.__torchpatches_patch__ == name
         if diffusers.__version__ == VERIFIED:
             assert _gates.fingerprint(original) in target.fingerprints
         with torchpatches.disabled(name):
@@ -139,9 +102,9 @@ def test_env_disables_single_patterns() -> None:
         assert s["swiglu"].state.value == "disabled", s["swiglu"]
         for name in ("qk_norm_rope", "gate_residual", "gelu_gemm"):
             assert s[name].state.value == "applied", s[name]
-        assert not hasattr(normalization.AdaLayerNormZero.forward, "__torchpatches_pattern__")
-        assert not hasattr(transformer_flux2.Flux2SwiGLU.forward, "__torchpatches_pattern__")
-        assert transformer_flux2.Flux2TransformerBlock.forward.__torchpatches_pattern__ == "gate_residual"
+        assert not hasattr(normalization.AdaLayerNormZero.forward, "__torchpatches_patch__")
+        assert not hasattr(transformer_flux2.Flux2SwiGLU.forward, "__torchpatches_patch__")
+        assert transformer_flux2.Flux2TransformerBlock.forward.__torchpatches_patch__ == "gate_residual"
         """
     )
     env = dict(os.environ, TORCHPATCHES_DISABLE="adaln, swiglu", PYTHONPATH=os.pathsep.join(sys.path))
@@ -152,14 +115,18 @@ def test_patch_modules_import_nothing_heavy() -> None:
     code = textwrap.dedent(
         """
         import sys
+        import torch
         import torchpatches
         import torchpatches.patches.adaln, torchpatches.patches.qk_norm_rope, torchpatches.patches.gate_residual
         import torchpatches.patches.gelu_gemm, torchpatches.patches.swiglu
         heavy = [m for m in ("diffusers", "triton", "torch._dynamo", "torch._inductor") if m in sys.modules]
         assert not heavy, heavy
-        # the ops register torch.library ops when imported (~18 ms): they load with a patch's target
-        ops = [m for m in sys.modules if m.startswith("torchpatches.ops")]
+        # the ops register torch.library ops when imported (~18 ms): they load with a patch's target; the
+        # skeleton's tier switch (torch and the standard library only, registers nothing) loads with the patches
+        ops = [m for m in sys.modules if m.startswith("torchpatches.ops") and m not in (
+            "torchpatches.ops", "torchpatches.ops._tiers")]
         assert not ops, ops
+        assert not hasattr(torch.ops.torchpatches, "modulate")
         """
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

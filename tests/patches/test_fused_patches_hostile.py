@@ -7,8 +7,7 @@ Tiny FLUX.1 / FLUX.2 from ``torchpatches._harness`` on CPU; a forced PyTorch tie
 """
 from __future__ import annotations
 
-import collections
-from typing import Any, Callable, Dict, Iterator
+from typing import Dict
 
 import pytest
 import torch
@@ -16,41 +15,13 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
+from _fused_models import FUSED, tiny  # noqa: E402
 from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
-from torchpatches.ops import linear_gelu, modulate, qk_norm_rope, slices, swiglu  # noqa: E402
-from torchpatches.ops._fused_tiers import force_tier  # noqa: E402
-from torchpatches._harness import build_model, tiny_inputs  # noqa: E402
+from torchpatches.ops import linear_gelu  # noqa: E402
+from torchpatches.ops._tiers import force_tier  # noqa: E402
 
-FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
-
-
-@pytest.fixture(autouse=True)
-def fused_on() -> Iterator[None]:
-    were = {name: torchpatches.status()[name].state.value for name in FUSED}
-    torchpatches.apply(list(FUSED))
-    try:
-        yield
-    finally:
-        torchpatches.revert([n for n, s in were.items() if s != "applied"])
-
-
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
-    """How often each fused op body ran, and with how many tensors requiring grad."""
-    counts: Dict[str, int] = collections.Counter()
-    for module in (modulate, qk_norm_rope, swiglu, slices):
-        real = module._impl
-
-        def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = module.__name__, **kwargs: Any):
-            name = _name.rsplit(".", 1)[1]
-            counts[name] += 1
-            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-                counts[f"{name} with grad"] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(module, "_impl", counting)
-    return counts
+pytestmark = pytest.mark.usefixtures("fused_on")
 
 
 @pytest.mark.parametrize("which", ["flux1", "flux2"])
@@ -58,9 +29,7 @@ def test_text_embeddings_needing_grad_get_diffusers_code(which: str, calls: Dict
     """Prompt tuning / textual inversion: a frozen model, encoder_hidden_states requiring grad. The image
     stream needs no grad, so the attention processor must look at the text stream too: its q/k/v would go
     through a fused kernel (no backward on the GPU: the gradient of the prompt silently lost)."""
-    model = build_model(f"{which}-fused")
-    inputs = tiny_inputs(f"{which}-fused")
-    inputs.pop("return_dict")
+    model, inputs = tiny(which)
 
     def grad_of_prompt() -> torch.Tensor:
         prompt = inputs["encoder_hidden_states"].clone().requires_grad_(True)
@@ -88,7 +57,7 @@ def test_gelu_subclass_overriding_gelu_keeps_its_activation(monkeypatch: pytest.
     # which is enough to see which path ran).
     monkeypatch.setattr(linear_gelu, "lt_tier_fits", lambda *args: True)
     x = torch.randn(2, 3, 8)
-    with torch.no_grad():
+    with torch.no_grad(), force_tier("torch"):  # a forced tier: permission to fuse on CPU
         stock = activations.GELU(8, 6, approximate="tanh").eval()
         fused = torch._addmm_activation(stock.proj.bias, x.reshape(-1, 8), stock.proj.weight.t(), use_gelu=True)
         assert torch.equal(stock(x), fused.view(2, 3, 6))  # the patched path runs for the stock class

@@ -1,6 +1,7 @@
-"""PyTorch tier of ``ops/modulate.py``: diffusers' own op sequence, so it rounds exactly where diffusers does.
+"""PyTorch tier of ``ops/modulate.py``: the models' own op sequences, so it rounds exactly where they do.
 
-``scale``, ``shift`` and ``gate`` are ``[B, S or 1, D]`` (the public API adds the token dim).
+``scale``, ``shift`` and ``gate`` are ``[B, S or 1, D]`` (the public API adds the token dim). ``once``:
+Wan's form, fp32 compute rounded once to ``x``'s dtype (``.type_as``); else diffusers' FLUX form.
 """
 from __future__ import annotations
 
@@ -17,35 +18,27 @@ def layer_norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tenso
 
 def gate_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, clip: bool) -> torch.Tensor:
     # diffusers: hidden_states = hidden_states + gate.unsqueeze(1) * attn_output (then fp16 clip)
-    out = residual + gate * y
-    if clip and out.dtype == torch.float16:
-        out = out.clip(-65504, 65504)
-    return out
+    return _clip_fp16(residual + gate * y, clip)
 
 
-def gate_residual_layer_norm_modulate(
-    residual: torch.Tensor,
-    gate: torch.Tensor,
-    y: torch.Tensor,
-    scale: torch.Tensor,
-    shift: torch.Tensor,
-    eps: float,
-    clip: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    h = gate_residual(residual, gate, y, clip)
-    return h, layer_norm_modulate(h, scale, shift, eps)
+def _clip_fp16(t: torch.Tensor, clip: bool) -> torch.Tensor:
+    return t.clip(-65504, 65504) if clip and t.dtype == torch.float16 else t
 
 
-def apply(
-    residual: torch.Tensor,
-    gate: Optional[torch.Tensor],
-    y: Optional[torch.Tensor],
-    scale: Optional[torch.Tensor],
-    shift: Optional[torch.Tensor],
-    eps: float,
-    clip: bool,
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(h, out) for the three forms, as the Triton kernel computes them."""
-    h = gate_residual(residual, gate, y, clip) if gate is not None else residual
-    out = layer_norm_modulate(h, scale, shift, eps) if scale is not None else None
+def _once(fn, x: torch.Tensor, *tensors: torch.Tensor, **kwargs) -> torch.Tensor:
+    # Wan: (norm(x.float()) * (1 + scale) + shift).type_as(x); (x.float() + y * gate).type_as(x)
+    return fn(x.float(), *(t.float() for t in tensors), **kwargs).to(x.dtype)
+
+
+def apply(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
+          scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
+          once: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(h, out) for the three forms, as the Triton kernel computes them (the arguments of its ``launch``)."""
+    h = residual
+    if gate is not None:
+        h = _clip_fp16(_once(gate_residual, residual, gate, y, clip=False), clip) if once else \
+            gate_residual(residual, gate, y, clip)
+    out = None
+    if scale is not None:
+        out = _once(layer_norm_modulate, h, scale, shift, eps=eps) if once else layer_norm_modulate(h, scale, shift, eps)
     return (h if gate is not None else None), out

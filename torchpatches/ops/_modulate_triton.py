@@ -7,21 +7,21 @@ ROWS token rows per program (``[B, S, D]`` views, last dim unit-stride, any row 
 
 ``round`` is a rounding to the tensors' dtype at exactly the points where diffusers' eager code
 rounds (each bf16/fp16 op rounds its fp32 result), so outputs match diffusers bit for bit except
-where the LayerNorm statistics (fp32, another summation order) differ in their last bit.
+where the LayerNorm statistics (fp32, another summation order) differ in their last bit. With
+``MID`` = 0 (rounding once, Wan's ``.type_as``) only the stored results are rounded; the vectors may be of any float dtype.
 ``gate``, ``scale`` and ``shift`` are ``[B, S or 1, D]`` views (stride 0 over S when shared).
 
 This module imports triton: import it only when the Triton tier is used.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Optional
 
 import torch
-import triton
 import triton.language as tl
 
-from ._triton_common import HELPERS_PY, KINDS, _round_to, _rsqrt, _sum_combine, interpreted, next_pow2
+from ._launch import launch as launch_kernel
+from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
 
 
 def _modulate_kernel(
@@ -30,6 +30,7 @@ def _modulate_kernel(
     r_sb, r_ss, g_sb, g_ss, y_sb, y_ss, c_sb, c_ss, t_sb, t_ss, h_sb, h_ss, o_sb, o_ss,
     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr, LIBDEVICE: tl.constexpr,
+    MID: tl.constexpr,
 ):
     # ROWS token rows per program, [ROWS, BLOCK_D] tiles; all loads issued before the reductions so
     # their latencies overlap (the modulation vectors are L2 hits shared by every row of a sample).
@@ -48,7 +49,7 @@ def _modulate_kernel(
         sc = tl.load(scale_ptr + (b * c_sb + s * c_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + (b * t_sb + s * t_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_GATE:
-        x = _round_to(x + _round_to(g * y, KIND), KIND)
+        x = _round_to(x + _round_to(g * y, MID), KIND)
         if CLIP:  # diffusers' fp16 clip(-65504, 65504); NaN passes through as in torch.clip
             x = tl.where(x > 65504.0, 65504.0, tl.where(x < -65504.0, -65504.0, x))
         tl.store(h_ptr + (b * h_sb + s * h_ss)[:, None] + d[None, :], x.to(ty), mask=m)
@@ -57,23 +58,14 @@ def _modulate_kernel(
         xc = tl.where(m, x - mean[:, None], 0.0)
         var = tl.reduce(xc * xc, 1, _sum_combine) / D
         rstd = _rsqrt(var + eps, LIBDEVICE)
-        n = _round_to(xc * rstd[:, None], KIND)
-        u = _round_to(n * _round_to(1.0 + sc, KIND), KIND)
+        n = _round_to(xc * rstd[:, None], MID)
+        u = _round_to(n * _round_to(1.0 + sc, MID), MID)
         o = _round_to(u + sh, KIND)
         tl.store(out_ptr + (b * o_sb + s * o_ss)[:, None] + d[None, :], o.to(ty), mask=m)
 
 
-MODULATE_KERNEL_PY = _modulate_kernel
-_modulate_kernel = triton.jit(MODULATE_KERNEL_PY)
-
-
-@functools.lru_cache(maxsize=None)
-def _interpreted_kernel() -> Any:
-    return interpreted(MODULATE_KERNEL_PY, HELPERS_PY)
-
-
-def kernel_for(device_type: str) -> Any:
-    return _modulate_kernel if device_type == "cuda" else _interpreted_kernel()
+kernel_for = for_devices(_modulate_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 
 #: Benchmarks may override the launch heuristic: {"num_warps": int, "ROWS": int}.
@@ -109,6 +101,7 @@ def launch(
     *,
     eps: float,
     clip: bool,
+    once: bool = False,
 ) -> None:
     """All tensors 3-D ``[B, S(or 1), D]`` with a unit-stride last dim (checked by ``ops/modulate.py``)."""
     B, S, D = residual.shape
@@ -123,13 +116,14 @@ def launch(
     o = n_out if n_out is not None else h_out
     cfg = pick_config(block_d, residual.device.type != "cuda")
     rows = int(cfg["ROWS"])
-    kernel[(-(-(B * S) // rows),)](
+    launch_kernel(kernel, (-(-(B * S) // rows),), (
         residual, gate if has_gate else dummy, y if has_gate else dummy,
         scale if has_norm else dummy, shift if has_norm else dummy, h, o,
         B * S, S, D, float(eps),
         residual.stride(0), residual.stride(1), *_rows(gate, residual), *_rows(y, residual),
         *_rows(scale, residual), *_rows(shift, residual), h.stride(0), h.stride(1), o.stride(0), o.stride(1),
+    ), dict(
         BLOCK_D=block_d, ROWS=rows, KIND=KINDS[residual.dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and residual.dtype == torch.float16), LIBDEVICE=residual.device.type == "cuda",
-        num_warps=int(cfg["num_warps"]),
-    )
+        MID=0 if once else KINDS[residual.dtype], num_warps=int(cfg["num_warps"]),
+    ))

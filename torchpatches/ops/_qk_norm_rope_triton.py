@@ -17,14 +17,13 @@ This module imports triton: import it only when the Triton tier is used.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-import triton
 import triton.language as tl
 
-from ._triton_common import HELPERS_PY, KINDS, _round_to, _rsqrt, _sum_combine, cdiv, interpreted, next_pow2
+from ._launch import launch as launch_kernel
+from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, cdiv, for_devices, next_pow2
 
 
 def _qk_norm_rope_kernel(
@@ -99,17 +98,8 @@ def _qk_norm_rope_kernel(
             tl.store(ko_ptr + dst, out.to(ty), mask=m)
 
 
-QK_NORM_ROPE_KERNEL_PY = _qk_norm_rope_kernel
-_qk_norm_rope_kernel = triton.jit(QK_NORM_ROPE_KERNEL_PY)
-
-
-@functools.lru_cache(maxsize=None)
-def _interpreted_kernel() -> Any:
-    return interpreted(QK_NORM_ROPE_KERNEL_PY, HELPERS_PY)
-
-
-def kernel_for(device_type: str) -> Any:
-    return _qk_norm_rope_kernel if device_type == "cuda" else _interpreted_kernel()
+kernel_for = for_devices(_qk_norm_rope_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 
 def launch(
@@ -133,13 +123,14 @@ def launch(
     tensors = 3 if v_out is not None else 2
     txt = qt if qt is not None else q
     kernel = kernel_for(q.device.type)
-    kernel[(B * S_tot, tensors * nhb)](
+    launch_kernel(kernel, (B * S_tot, tensors * nhb), (
         q, k, v if v is not None else q, txt, kt if kt is not None else k, vt if vt is not None else txt,
         wq, wk, wqt if wqt is not None else wq, wkt if wkt is not None else wk, cos, sin,
         q_out, k_out, v_out if v_out is not None else q_out,
         S_txt, S_tot, H, nhb, *[float(e) for e in eps],
         q.stride(0), q.stride(1), q.stride(2), txt.stride(0), txt.stride(1), txt.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), cos.stride(0), sin.stride(0),
+    ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
         num_warps=2 if block_h * 2 * half >= 512 else 1,
-    )
+    ))

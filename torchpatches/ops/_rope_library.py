@@ -8,12 +8,14 @@ directly: the dispatcher costs tens of microseconds of host time per call.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 from typing import Any, Optional
 
 import torch
 
-from .._compat import is_compiling
-from . import _rope_tiers
+from ._dispatch import plain_eager
 from ._rope_checks import bshd, positions_2d
 
 
@@ -134,9 +136,24 @@ def ensure_triton_ops() -> tuple[Any, Any]:
 # ---- FlashInfer --------------------------------------------------------------------------------
 
 
+@functools.cache
+def flashinfer_rope() -> tuple[Any, str]:
+    """(flashinfer.rope module or None, reason). Imports flashinfer only when first asked."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return None, "flashinfer is not installed"
+    try:
+        mod = importlib.import_module("flashinfer.rope")
+    except Exception as e:  # a broken install must not break RoPE: fall back and say why
+        return None, f"import flashinfer.rope failed: {type(e).__name__}: {e}"
+    for name in ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_with_cos_sin_cache"):
+        if not hasattr(mod, name):
+            return None, f"flashinfer.rope has no {name} (version too old?)"
+    return mod, "available"
+
+
 def _flashinfer_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                         positions: torch.Tensor, interleaved: bool) -> None:
-    fi, why = _rope_tiers.flashinfer_rope()
+    fi, why = flashinfer_rope()
     if fi is None:
         raise RuntimeError(f"FlashInfer tier called but {why}")
     fi.apply_rope_with_cos_sin_cache_inplace(
@@ -146,7 +163,7 @@ def _flashinfer_inplace(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.T
 
 def _flashinfer_out(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
                     positions: torch.Tensor, interleaved: bool) -> list[torch.Tensor]:
-    fi, why = _rope_tiers.flashinfer_rope()
+    fi, why = flashinfer_rope()
     if fi is None:
         raise RuntimeError(f"FlashInfer tier called but {why}")
     q_out, k_out = fi.apply_rope_with_cos_sin_cache(
@@ -181,11 +198,6 @@ def flat_tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- running a tier: the plain function outside tracing, the op inside ---------------------------
-
-
-def plain_eager(q: torch.Tensor) -> bool:
-    """True outside any tracing: not Dynamo, and not make_fx/export (fake or functional tensors)."""
-    return not is_compiling() and type(q) is torch.Tensor
 
 
 def run_triton(q, k, cos, sin, positions, seq_dim, interleaved, cos_half, inplace):

@@ -6,17 +6,17 @@ the graph; the fallback warnings are emitted from there for the same reason.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import importlib.util
 import logging
 import os
-from typing import Any, Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .._compat import assume_constant, emit_log_once, emit_warning_once, reset_once
+from . import _tiers
+from ._rope_library import ensure_triton_ops, flashinfer_rope
 
 log = logging.getLogger("torchpatches")
 
@@ -27,7 +27,6 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 #: call)``. Plain constants, because under torch.compile Dynamo folds the answer into the graph.
 TierChoice = Tuple[Optional[str], Optional[str]]
 
-_FORCED_TIER: Optional[str] = None
 _LAST_TIER: Optional[str] = None
 
 
@@ -39,24 +38,10 @@ def _warn_fallback(message: str) -> None:
 
 
 @functools.cache
-def flashinfer_rope() -> tuple[Any, str]:
-    """(flashinfer.rope module or None, reason). Imports flashinfer only when first asked."""
-    if importlib.util.find_spec("flashinfer") is None:
-        return None, "flashinfer is not installed"
-    try:
-        mod = importlib.import_module("flashinfer.rope")
-    except Exception as e:  # a broken install must not break RoPE: fall back and say why
-        return None, f"import flashinfer.rope failed: {type(e).__name__}: {e}"
-    for name in ("apply_rope_with_cos_sin_cache_inplace", "apply_rope_with_cos_sin_cache"):
-        if not hasattr(mod, name):
-            return None, f"flashinfer.rope has no {name} (version too old?)"
-    return mod, "available"
-
-
-@functools.cache
 def triton_import() -> tuple[bool, str]:
-    if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed"
+    ok, why = _tiers.triton_usable()
+    if not ok:
+        return False, why
     try:
         importlib.import_module("torchpatches.ops._rope_triton")
     except Exception as e:
@@ -92,29 +77,12 @@ def last_tier() -> Optional[str]:
     return _LAST_TIER
 
 
-@contextlib.contextmanager
-def force_tier(tier: Optional[str]) -> Iterator[None]:
-    """Use ``tier`` for every call inside the block (None: automatic). Set it before compiling."""
-    global _FORCED_TIER
-    if tier is not None and tier not in TIERS:
-        raise ValueError(f"unknown RoPE tier {tier!r}; expected one of {TIERS}")
-    old, _FORCED_TIER = _FORCED_TIER, tier
-    try:
-        yield
-    finally:
-        _FORCED_TIER = old
-
-
-def forced_tier() -> Optional[str]:
-    """The tier :func:`force_tier` set for the current block, or None."""
-    return _FORCED_TIER
-
-
 def reset_caches() -> None:
     """For tests that inject or remove a stand-in flashinfer module."""
     global _LAST_TIER
     flashinfer_rope.cache_clear()
     triton_import.cache_clear()
+    _tiers.reset()
     reset_once()
     _LAST_TIER = None
 
@@ -131,20 +99,10 @@ def select_tier(device_type: str, requested: str, cache_form: bool, flashinfer_f
     global _LAST_TIER
     tier, refusal = choose(device_type, requested, cache_form, flashinfer_fits, needs_grad)
     if tier == "triton" and device_type == "cuda":
-        from ._rope_library import ensure_triton_ops  # registers the triton_ops outside tracing
-
-        ensure_triton_ops()
+        ensure_triton_ops()  # registers the triton_ops outside tracing
     if tier is not None:
         _LAST_TIER = tier
     return tier, refusal
-
-
-#: Why the kernel tiers refuse a call autograd records: their kernels write outputs autograd cannot see
-#: (in place: the saved inputs change under it; out of place: outputs detached), so gradients would be
-#: wrong or lost. The PyTorch tier is differentiable through autograd.
-GRAD_REFUSAL = ("tier={tier!r} requested but q, k or the cos/sin tables require grad (and grad mode is on): the "
-                "Triton and FlashInfer kernels are not differentiable; use tier='torch' or the automatic tier "
-                "(which picks the PyTorch tier for such calls), or call under torch.no_grad()")
 
 
 def choose(device_type: str, requested: str, cache_form: bool, flashinfer_fits: bool,
@@ -154,7 +112,7 @@ def choose(device_type: str, requested: str, cache_form: bool, flashinfer_fits: 
     if needs_grad:
         if requested == "auto":
             return "torch", None  # the only differentiable tier
-        return None, GRAD_REFUSAL.format(tier=requested)
+        return None, _tiers.grad_refusal(requested, "q, k or a cos/sin table")
     if requested == "triton":
         ok, why = triton_import()  # forcing Triton on CPU runs the interpreter
         return ("triton", None) if ok else (None, f"tier='triton' requested but {why}")

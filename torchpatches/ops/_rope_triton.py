@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import launch as launch_kernel
+
 
 def _rotate_heads(
     x_ptr, o_ptr, x_sh, o_sh, h0, H,
@@ -227,14 +229,15 @@ def launch(
     q_st, k_st, qo_st, ko_st = q.stride(), kk.stride(), q_out.stride(), ko.stride()
     c_st, s_st = cos.stride(), sin.stride()
     copy_tail = (q_out is not q) and rotary_dim < D
-    kernel[(B * S, head_progs)](
+    launch_kernel(kernel, (B * S, head_progs), (
         q, kk, q_out, ko, cos, sin, pos,
         S, HQ, HK, nhb_q, nhb, head_progs,
         q_st[0], q_st[1], q_st[2], k_st[0], k_st[1], k_st[2],
         qo_st[0], qo_st[1], qo_st[2], ko_st[0], ko_st[1], ko_st[2],
         c_st[0], c_st[1], s_st[0], s_st[1], p_sb, p_ss, cos.shape[0],
+    ), dict(
         R=rotary_dim, D=D, HALF_BLOCK=_next_pow2(rotary_dim // 2), BLOCK_H=block_h,
         INTERLEAVED=interleaved, COS_HALF=cos_half, HAS_POS=positions is not None,
         COPY_TAIL=copy_tail, TAIL_BLOCK=_next_pow2(max(1, D - rotary_dim)),
         ITERS=_cdiv(nhb, head_progs), num_warps=cfg["num_warps"],
-    )
+    ))

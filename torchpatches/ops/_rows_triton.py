@@ -15,16 +15,11 @@ This module imports triton: import it only when the Triton tier is used.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
-import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_common import HELPERS_PY, KINDS, _round_to, cdiv, interpreted
-
+from ._triton_common import _round_to, for_devices, launch_rows
 
 def _rows_kernel(x_ptr, o_ptr, N, x_sr, o_sr, BLOCK: tl.constexpr, ACT: tl.constexpr, KIND: tl.constexpr,
                  LIBDEVICE: tl.constexpr):
@@ -44,25 +39,9 @@ def _rows_kernel(x_ptr, o_ptr, N, x_sr, o_sr, BLOCK: tl.constexpr, ACT: tl.const
     else:
         tl.store(o_ptr + row * o_sr + c, x, mask=m)
 
-
-ROWS_KERNEL_PY = _rows_kernel
-_rows_kernel = triton.jit(ROWS_KERNEL_PY)
-
-
-@functools.lru_cache(maxsize=None)
-def _interpreted_kernel() -> Any:
-    return interpreted(ROWS_KERNEL_PY, HELPERS_PY)
-
+kernel_for = for_devices(_rows_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 def launch(x: torch.Tensor, out: torch.Tensor, act: int) -> None:
     """``x``, ``out``: 2-D ``[M, N]`` with unit-stride columns; ``act`` 0 (copy) or 1 (tanh GELU)."""
-    M, N = out.shape
-    if M * N == 0:
-        return
-    block = 2048 if N >= 2048 else max(16, 1 << (N - 1).bit_length())
-    kernel = _rows_kernel if x.device.type == "cuda" else _interpreted_kernel()
-    kernel[(M, cdiv(N, block))](
-        x, out, N, x.stride(0), out.stride(0), BLOCK=block, ACT=act, KIND=KINDS[out.dtype],
-        LIBDEVICE=x.device.type == "cuda",
-        num_warps=4 if block >= 1024 else 2,
-    )
+    launch_rows(kernel_for, x, out, 2048, ACT=act)

@@ -10,15 +10,10 @@ This module imports triton: import it only when the Triton tier is used.
 """
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
-import triton
 import triton.language as tl
 
-from ._triton_common import HELPERS_PY, KINDS, _exp, _round_to, cdiv, interpreted
-
+from ._triton_common import _exp, _round_to, for_devices, launch_rows
 
 def _swiglu_kernel(x_ptr, o_ptr, F, x_sr, o_sr, BLOCK: tl.constexpr, KIND: tl.constexpr,
                    LIBDEVICE: tl.constexpr):
@@ -31,24 +26,9 @@ def _swiglu_kernel(x_ptr, o_ptr, F, x_sr, o_sr, BLOCK: tl.constexpr, KIND: tl.co
     out = _round_to(act * g, KIND)
     tl.store(o_ptr + row * o_sr + c, out.to(o_ptr.dtype.element_ty), mask=m)
 
-
-SWIGLU_KERNEL_PY = _swiglu_kernel
-_swiglu_kernel = triton.jit(SWIGLU_KERNEL_PY)
-
-
-@functools.lru_cache(maxsize=None)
-def _interpreted_kernel() -> Any:
-    return interpreted(SWIGLU_KERNEL_PY, HELPERS_PY)
-
+kernel_for = for_devices(_swiglu_kernel)
+_interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 def launch(x: torch.Tensor, out: torch.Tensor) -> None:
     """``x`` is 2-D ``[M, 2F]``, ``out`` 2-D ``[M, F]``; both unit-stride columns."""
-    M, F = out.shape
-    if M * F == 0:
-        return
-    block = 1024 if F >= 1024 else max(16, 1 << (F - 1).bit_length())
-    kernel = _swiglu_kernel if x.device.type == "cuda" else _interpreted_kernel()
-    kernel[(M, cdiv(F, block))](
-        x, out, F, x.stride(0), out.stride(0), BLOCK=block, KIND=KINDS[x.dtype], LIBDEVICE=x.device.type == "cuda",
-        num_warps=4 if block >= 1024 else 2,
-    )
+    launch_rows(kernel_for, x, out, 1024)

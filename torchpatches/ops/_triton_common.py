@@ -14,13 +14,16 @@ This module imports triton.
 """
 from __future__ import annotations
 
+import functools
 import types
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from ._launch import launch as launch_kernel
 
 #: KIND codes of the output dtype (a constexpr of every kernel).
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -79,6 +82,32 @@ def interpreted(kernel_py: Any, helpers: Dict[str, Any]) -> Any:
         g[name] = InterpretedFunction(helper_py)
     fn = types.FunctionType(kernel_py.__code__, g, kernel_py.__name__)
     return InterpretedFunction(fn)
+
+
+def for_devices(kernel_py: Any) -> Callable[[str], Any]:
+    """``kernel_for(device_type)``: ``kernel_py`` compiled by Triton on CUDA, interpreted elsewhere (built on
+    first use, with the helpers interpreted too)."""
+    compiled = triton.jit(kernel_py)
+    interpreter = functools.lru_cache(maxsize=None)(lambda: interpreted(kernel_py, HELPERS_PY))
+
+    def kernel_for(device_type: str) -> Any:
+        return compiled if device_type == "cuda" else interpreter()
+
+    kernel_for.interpreted = interpreter  # type: ignore[attr-defined]
+    return kernel_for
+
+
+def launch_rows(kernel_for: Callable[[str], Any], x: torch.Tensor, out: torch.Tensor, cap: int, **meta: Any) -> None:
+    """Launch a row kernel ``(x, out, N, x_row_stride, out_row_stride, BLOCK, KIND, LIBDEVICE, **meta)`` over a
+    2-D ``out`` ``[M, N]``: one program per row and block of at most ``cap`` columns."""
+    M, N = out.shape
+    if M * N == 0:
+        return
+    block = cap if N >= cap else max(16, 1 << (N - 1).bit_length())
+    kernel = kernel_for(x.device.type)
+    launch_kernel(kernel, (M, cdiv(N, block)), (x, out, N, x.stride(0), out.stride(0)),
+                  dict(BLOCK=block, KIND=KINDS[out.dtype], LIBDEVICE=x.device.type == "cuda",
+                       num_warps=4 if block >= 1024 else 2, **meta))
 
 
 def next_pow2(n: int) -> int:

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._fused_tiers import forced_tier, needs_grad
+from . import _args
+from ._tiers import forced_tier, grad_refusal, jit_tracing, needs_grad
 
 __all__ = ["linear_gelu_tanh", "lt_tier_fits"]
 
@@ -60,16 +61,17 @@ def linear_gelu_tanh(
 
     ``tier``: ``"cublaslt"``, ``"torch"`` or None (automatic: cuBLASLt when it fits).
     """
+    _args.tensor(x, "x"), _args.tensor(weight, "weight"), _args.tensor(bias, "bias", optional=True)
     requested = tier if tier is not None else forced_tier()
-    if requested not in (None, "cublaslt", "torch", "triton"):
+    if requested not in (None, "cublaslt", "torch", "triton", "flashinfer"):
         raise ValueError(f"unknown tier {requested!r}; expected 'cublaslt', 'torch' or None")
     if needs_grad(x, weight, bias):  # torch._addmm_activation has no derivative
         if requested == "cublaslt":
-            raise ValueError("tier='cublaslt' requested but an input requires grad (and grad mode is on): "
-                             "torch._addmm_activation is not differentiable; use tier='torch' or the automatic "
-                             "tier, or call under torch.no_grad()")
+            raise ValueError(grad_refusal("cublaslt"))
         requested = "torch"
-    use_lt = requested in (None, "cublaslt", "triton") and lt_tier_fits(x, weight, bias)
+    if requested is None and jit_tracing():
+        requested = "torch"  # torch.jit.trace: diffusers' ops, traceable
+    use_lt = requested in (None, "cublaslt", "triton", "flashinfer") and lt_tier_fits(x, weight, bias)
     if requested == "cublaslt" and not use_lt:
         raise ValueError("tier='cublaslt' needs CUDA fp16/bf16 x, weight and a 1-D bias of the same dtype")
     if not use_lt:

@@ -10,7 +10,15 @@ Usable without any patching::
 ``shift`` and ``gate`` are ``[B, D]`` (one vector per sample, diffusers' adaLN-Zero chunks),
 ``[B, 1, D]`` (FLUX.2's modulation) or ``[B, S, D]`` (per-token, FLUX.2's KV-cache blend). The
 LayerNorm has no affine parameters (diffusers' ``elementwise_affine=False``). All tensors share one
-dtype (fp32, bf16, fp16) and device. Outputs are new contiguous tensors.
+device; outputs are new contiguous tensors of ``x``'s dtype (fp32, bf16, fp16).
+
+Two rounding modes (``rounding=``):
+
+- ``"each"`` (default; diffusers' FLUX blocks): the vectors have ``x``'s dtype and every op rounds, as
+  below;
+- ``"once"`` (Wan's ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``): the vectors may have any
+  float dtype (Wan: an fp32 ``scale_shift_table``), everything is computed in fp32 and rounded once to
+  ``x``'s dtype (``h`` of the gated form too: ``(x.float() + y * gate).type_as(x)``).
 
 Numerics: what diffusers computes, rounded where diffusers rounds. In bf16 diffusers runs
 ``LN(x)`` (fp32 statistics, one rounding), ``1 + scale``, ``* ``, ``+`` and ``gate * y``,
@@ -20,10 +28,10 @@ LayerNorm statistics differ in their last bit (another summation order) and that
 boundary: then one ulp of the LayerNorm output, carried through the modulation. ``clip_fp16=True``
 applies diffusers' fp16 ``clip(-65504, 65504)`` to the residual output.
 
-Tiers (``_fused_tiers``): Triton on CUDA (one program per token row), PyTorch elsewhere (the
-reference) and for every call autograd records (the kernel has no backward; ``tier="triton"`` with
-tensors requiring grad raises ``ValueError``). Under ``torch.compile`` each function is one ``torchpatches::modulate`` custom op (with
-a fake implementation), opaque to Inductor.
+Tiers (``_tiers``): Triton on CUDA (one program per token row), PyTorch elsewhere (the reference) and
+for every call autograd records (the kernel has no backward; ``tier="triton"`` then raises
+``ValueError``). Traced, each function is one ``torchpatches::modulate`` custom op with a fake
+(``_dispatch``).
 """
 from __future__ import annotations
 
@@ -31,16 +39,16 @@ from typing import Optional
 
 import torch
 
-from .._compat import is_compiling
-from . import _modulate_torch
-from ._fused_tiers import choose_tier, force_tier, needs_grad
+from . import _args, _dispatch, _modulate_torch
+from ._tiers import FLOAT_DTYPES, choose_tier, force_tier, needs_grad
 
-__all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate", "force_tier"]
+__all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate", "force_tier", "ROUNDINGS"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: ``"each"``: diffusers' rounding after every op; ``"once"``: fp32 compute rounded once (Wan's ``.type_as``).
+ROUNDINGS = ("each", "once")
 
 
-def _vector(t: Optional[torch.Tensor], name: str, ref: torch.Tensor) -> Optional[torch.Tensor]:
+def _vector(t: Optional[torch.Tensor], name: str, ref: torch.Tensor, once: bool) -> Optional[torch.Tensor]:
     """[B, D] -> [B, 1, D]; [B, 1 or S, D] as is; ValueError for anything else."""
     if t is None:
         return None
@@ -52,73 +60,71 @@ def _vector(t: Optional[torch.Tensor], name: str, ref: torch.Tensor) -> Optional
     if t.dim() != 3 or t.shape[0] != B or t.shape[2] != D or t.shape[1] not in (1, S):
         raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, S, D] for input {tuple(ref.shape)}, "
                          f"got {tuple(t.shape)}")
-    if t.dtype != ref.dtype or t.device != ref.device:
-        raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {ref.dtype} on {ref.device}")
+    if t.device != ref.device or (t.dtype not in FLOAT_DTYPES if once else t.dtype != ref.dtype):
+        want = "a float dtype" if once else f"{ref.dtype} (rounding='once' takes other float dtypes)"
+        raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {want} on {ref.device}")
     return t if t.stride(-1) == 1 or D == 1 else t.contiguous()
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 3:
-        raise ValueError(f"{name} must be 3-D [B, S, D], got shape {tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{name} dtype {t.dtype} is not supported; expected float32, bfloat16 or float16")
+    _args.float_tensor(t, name, 3, "[B, S, D]")
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-def _prepare(residual, gate, y, scale, shift):
+def _prepare(residual, gate, y, scale, shift, once):
     residual = _rows(residual, "x" if gate is None else "residual")
     if gate is not None:
         y = _rows(y, "y")
         if y.shape != residual.shape or y.dtype != residual.dtype or y.device != residual.device:
             raise ValueError(f"y {tuple(y.shape)} {y.dtype} on {y.device} does not match residual "
                              f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
-    return (residual, _vector(gate, "gate", residual), y, _vector(scale, "scale", residual),
-            _vector(shift, "shift", residual))
+    return (residual, _vector(gate, "gate", residual, once), y, _vector(scale, "scale", residual, once),
+            _vector(shift, "shift", residual, once))
 
 
 def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-          tier: str) -> list[torch.Tensor]:
+          once: bool, tier: str) -> list[torch.Tensor]:
     """The op body: [h] (gate only), [out] (norm only) or [h, out]."""
     if tier == "torch":
-        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip)
+        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once)
     else:
         from . import _modulate_triton
 
         h = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if gate is not None else None
         out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if scale is not None else None
-        _modulate_triton.launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip)
+        _modulate_triton.launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once)
     return [t for t in (h, out) if t is not None]
 
 
 @torch.library.custom_op("torchpatches::modulate", mutates_args=())
 def _modulate_op(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                  scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-                 tier: str) -> list[torch.Tensor]:
-    return _impl(residual, gate, y, scale, shift, eps, clip, tier)
+                 once: bool, tier: str) -> list[torch.Tensor]:
+    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier)
 
 
 @_modulate_op.register_fake
-def _(residual, gate, y, scale, shift, eps, clip, tier):
+def _(residual, gate, y, scale, shift, eps, clip, once, tier):
     n = int(gate is not None) + int(scale is not None)
     return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
 
 
-def _run(residual, gate, y, scale, shift, eps, clip, tier, gated):
+@_dispatch.public
+def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding):
     if gated and gate is None:
         raise ValueError("gate must be a torch.Tensor, got None")
     if scale is not None and (shift is None or eps is None):
         raise ValueError("scale needs shift and eps")
-    residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    once = rounding == "once"
+    eps = None if eps is None else _args.number(eps, "eps")
+    residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift, once)
     grad = needs_grad(residual, gate, y, scale, shift)
     chosen = choose_tier(residual.device.type, tier, grad)
-    # A call autograd records runs the PyTorch tier inline (also when traced): the custom op has no
-    # autograd formula, so through it the gradient would fail at backward.
-    if grad or (not is_compiling() and type(residual) is torch.Tensor):
-        return _impl(residual, gate, y, scale, shift, float(eps or 0.0), bool(clip), chosen)
-    return _modulate_op(residual, gate, y, scale, shift, float(eps or 0.0), bool(clip), chosen)
+    return _dispatch.run(residual, grad, _impl, _modulate_op, residual, gate, y, scale, shift,
+                         float(eps or 0.0), bool(clip), once, chosen)
 
 
 def layer_norm_modulate(
@@ -127,14 +133,15 @@ def layer_norm_modulate(
     shift: torch.Tensor,
     *,
     eps: float = 1e-6,
+    rounding: str = "each",
     tier: Optional[str] = None,
 ) -> torch.Tensor:
-    """``LayerNorm(x) * (1 + scale) + shift`` (LayerNorm without affine), rounded as diffusers rounds.
+    """``LayerNorm(x) * (1 + scale) + shift`` (LayerNorm without affine), rounded per ``rounding``.
 
     Raises:
         ValueError: on shapes, dtypes or devices that do not fit (see the module docstring).
     """
-    return _run(x, None, None, scale, shift, eps, False, tier, False)[0]
+    return _run(x, None, None, scale, shift, eps, False, tier, False, rounding)[0]
 
 
 def gate_residual(
@@ -143,10 +150,11 @@ def gate_residual(
     y: torch.Tensor,
     *,
     clip_fp16: bool = False,
+    rounding: str = "each",
     tier: Optional[str] = None,
 ) -> torch.Tensor:
-    """``residual + gate * y`` (``gate`` broadcast over tokens), rounded as diffusers rounds."""
-    return _run(residual, gate, y, None, None, None, clip_fp16, tier, True)[0]
+    """``residual + gate * y`` (``gate`` broadcast over tokens), rounded per ``rounding``."""
+    return _run(residual, gate, y, None, None, None, clip_fp16, tier, True, rounding)[0]
 
 
 def gate_residual_layer_norm_modulate(
@@ -158,8 +166,9 @@ def gate_residual_layer_norm_modulate(
     *,
     eps: float = 1e-6,
     clip_fp16: bool = False,
+    rounding: str = "each",
     tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + gate * y`` and ``LayerNorm(h) * (1 + scale) + shift`` in one pass: ``(h, out)``."""
-    h, out = _run(residual, gate, y, scale, shift, eps, clip_fp16, tier, True)
+    h, out = _run(residual, gate, y, scale, shift, eps, clip_fp16, tier, True, rounding)
     return h, out

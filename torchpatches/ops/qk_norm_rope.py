@@ -21,24 +21,23 @@ followed by diffusers' ``apply_rotary_emb`` (fp32 ``n * cos + rotate(n) * sin``,
 Differences from diffusers come only from fp32 reduction order / fused multiply-adds crossing a
 rounding boundary: at most one ulp of the output dtype.
 
-Tiers (``_fused_tiers``): Triton on CUDA (one launch for q, k, v), PyTorch elsewhere and for every call
+Tiers (``_tiers``): Triton on CUDA (one launch for q, k, v), PyTorch elsewhere and for every call
 autograd records (``tier="triton"`` with tensors requiring grad raises ``ValueError``). Under
 ``torch.compile`` the call is one ``torchpatches::qk_norm_rope`` custom op (with a fake).
 """
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .._compat import is_compiling
-from ._fused_tiers import choose_tier, force_tier, needs_grad
+from . import _args, _dispatch
+from ._memory import check_no_overlap
+from ._tiers import choose_tier, force_tier, needs_grad
 
 __all__ = ["qk_norm_rope", "force_tier"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ------------------------------------------------------------------------------------------ torch tier
@@ -66,6 +65,7 @@ def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin):
 
 
 def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, tier) -> list[torch.Tensor]:
+    eps = tuple(eps)
     if tier == "torch":
         return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin)
     from . import _qk_norm_rope_triton
@@ -105,21 +105,14 @@ def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weig
 def _check_4d(t: Optional[torch.Tensor], name: str, ref: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if t is None:
         return None
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(f"{name} must be 4-D [B, S, H, D], got shape {tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
-        raise ValueError(f"{name} dtype {t.dtype} is not supported; expected float32, bfloat16 or float16")
+    _args.float_tensor(t, name, 4, "[B, S, H, D]")
     if ref is not None:
         if t.dtype != ref.dtype or t.device != ref.device:
             raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {ref.dtype} on {ref.device}")
         if t.shape[0] != ref.shape[0] or t.shape[2:] != ref.shape[2:]:
             raise ValueError(f"{name} shape {tuple(t.shape)} does not match q {tuple(ref.shape)} in batch, "
                              "heads or head dim")
-    for size, stride in zip(t.shape, t.stride()):
-        if stride == 0 and size > 1:
-            raise ValueError(f"{name} has overlapping memory (an expanded view)")
+    check_no_overlap(t, name)
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -135,18 +128,13 @@ def _check_weight(w: Optional[torch.Tensor], name: str, q: torch.Tensor) -> Opti
     return w.contiguous()
 
 
-def _check_eps(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
 def _same_strides(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The kernel takes one set of strides per group: copy any tensor that differs (rare)."""
     first = tensors[0].stride()
     return [t if t.stride() == first else t.contiguous() for t in tensors]
 
 
+@_dispatch.public
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,15 +194,11 @@ def qk_norm_rope(
                              f"last dim, got {tuple(t.shape)}")
     if v is not None and not isinstance(v, torch.Tensor):
         raise ValueError(f"v must be a torch.Tensor or None, got {type(v).__name__}")
-    eps = tuple(_check_eps(value, name) for value, name in (
+    eps = tuple(_args.number(value, name) for value, name in (
         (eps_q, "eps_q"), (eps_k, "eps_k"), (eps_q_txt if joint else eps_q, "eps_q_txt"),
         (eps_k_txt if joint else eps_k, "eps_k_txt")))
     grad = needs_grad(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, cos, sin)
     chosen = choose_tier(q.device.type, tier, grad)
-    # A call autograd records runs the PyTorch tier inline (also when traced): the custom op has no
-    # autograd formula.
-    if grad or (not is_compiling() and type(q) is torch.Tensor):
-        q_out, k_out, v_out = _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, chosen)
-        return q_out, k_out, v_out
-    outs = _qk_norm_rope_op(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos, sin, chosen)
+    outs = _dispatch.run(q, grad, _impl, _qk_norm_rope_op, q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos,
+                         sin, chosen)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)

@@ -43,8 +43,9 @@ from typing import Optional
 
 import torch
 
-from . import _rope_checks, _rope_library, _rope_tiers, _rope_torch
-from ._rope_tiers import TIERS, describe_tiers, force_tier, last_tier
+from . import _args, _dispatch, _memory, _rope_checks, _rope_library, _rope_tiers, _rope_torch
+from ._rope_tiers import describe_tiers, last_tier
+from ._tiers import TIERS, force_tier, forced_tier, jit_tracing, needs_grad
 
 __all__ = [
     "apply_rope_qk_inplace",
@@ -64,9 +65,11 @@ __all__ = [
 
 
 def _tier_for(q: torch.Tensor, tier: Optional[str], cache_form: bool, fits: bool, grad: bool) -> str:
-    requested = tier if tier is not None else (_rope_tiers.forced_tier() or "auto")
-    if requested not in TIERS + ("auto",):
+    requested = tier if tier is not None else (forced_tier() or "auto")
+    if not isinstance(requested, str) or requested not in TIERS + ("auto",):
         raise ValueError(f"unknown RoPE tier {requested!r}; expected one of {TIERS} or None")
+    if requested == "auto" and jit_tracing():
+        requested = "torch"  # torch.jit.trace: a kernel launch would see traced sizes
     chosen, refusal = _rope_tiers.select_tier(q.device.type, requested, cache_form, bool(fits), bool(grad))
     if chosen is None:
         raise ValueError(refusal)
@@ -102,26 +105,30 @@ def _nothing_to_do(q: torch.Tensor, k: Optional[torch.Tensor], inplace: bool):
     return q.clone(), (k.clone() if k is not None else None)
 
 
+@_dispatch.public
 def _per_token(q, k, cos, sin, interleaved, rotary_dim, sequence_dim, tier, inplace):
+    _args.flag(interleaved, "interleaved")
     seq_dim = _rope_checks.sequence_dim_of(q, sequence_dim)
     B, S, D = _rope_checks.check_qk(q, k, seq_dim)
     r = _rope_checks.check_per_token(q, cos, sin, S, D, rotary_dim)
     if inplace:
-        _rope_checks.check_inplace(q, k, {"cos": cos, "sin": sin})
-    grad = _rope_checks.needs_grad(q, k, cos, sin)
+        _memory.check_inplace(q, k, {"cos": cos, "sin": sin})
+    grad = needs_grad(q, k, cos, sin)
     chosen = _tier_for(q, tier, cache_form=False, fits=False, grad=grad)
     if B * S == 0:
         return _nothing_to_do(q, k, inplace)
     return _run(q, k, cos, sin, None, seq_dim, interleaved, False, r, chosen, inplace)
 
 
+@_dispatch.public
 def _with_cache(q, k, cache, positions, interleaved, rotary_dim, sequence_dim, tier, inplace):
+    _args.flag(interleaved, "interleaved")
     seq_dim = _rope_checks.sequence_dim_of(q, sequence_dim)
     B, S, D = _rope_checks.check_qk(q, k, seq_dim)
     r = _rope_checks.check_cache(q, cache, positions, B, S, D, rotary_dim)
     if inplace:
-        _rope_checks.check_inplace(q, k, {"cos_sin_cache": cache, "positions": positions})
-    grad = _rope_checks.needs_grad(q, k, cache)
+        _memory.check_inplace(q, k, {"cos_sin_cache": cache, "positions": positions})
+    grad = needs_grad(q, k, cache)
     fits = cache.dtype == torch.float32 and _rope_tiers.flashinfer_takes(q, k, seq_dim, D, positions)
     chosen = _tier_for(q, tier, cache_form=True, fits=fits, grad=grad)
     if B * S == 0:
@@ -139,14 +146,8 @@ def _with_cache(q, k, cache, positions, interleaved, rotary_dim, sequence_dim, t
 
 
 def apply_rope_qk_inplace(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool = True,
-    rotary_dim: Optional[int] = None,
-    sequence_dim: Optional[int] = None,
+    q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+    *, interleaved: bool = True, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
     tier: Optional[str] = None,
 ) -> None:
     """Rotate q and k in place with per-token cos/sin (diffusers' form).
@@ -171,14 +172,8 @@ def apply_rope_qk_inplace(
 
 
 def apply_rope_qk(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    *,
-    interleaved: bool = True,
-    rotary_dim: Optional[int] = None,
-    sequence_dim: Optional[int] = None,
+    q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+    *, interleaved: bool = True, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
     tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Out-of-place :func:`apply_rope_qk_inplace`: returns new ``(q_out, k_out)``; q, k untouched.
@@ -190,14 +185,8 @@ def apply_rope_qk(
 
 
 def apply_rope_qk_with_cache_inplace(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: Optional[int] = None,
-    sequence_dim: Optional[int] = None,
+    q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+    *, interleaved: bool, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
     tier: Optional[str] = None,
 ) -> None:
     """Rotate q and k in place with a ``cos_sin_cache`` indexed by ``positions`` (vLLM/FlashInfer).
@@ -222,14 +211,8 @@ def apply_rope_qk_with_cache_inplace(
 
 
 def apply_rope_qk_with_cache(
-    q: torch.Tensor,
-    k: Optional[torch.Tensor],
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    interleaved: bool,
-    rotary_dim: Optional[int] = None,
-    sequence_dim: Optional[int] = None,
+    q: torch.Tensor, k: Optional[torch.Tensor], cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+    *, interleaved: bool, rotary_dim: Optional[int] = None, sequence_dim: Optional[int] = None,
     tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Out-of-place :func:`apply_rope_qk_with_cache_inplace`: returns new ``(q_out, k_out)``."""

@@ -12,10 +12,10 @@ kernel on CUDA::
 
 ``x`` and ``out`` have the same shape, dtype (fp32, bf16, fp16) and device, unit-stride last dims, and
 leading dims that flatten to rows without a copy; ``out`` must be writable and share no memory with ``x``
-unless it is ``x`` itself (``ValueError`` before anything is written, ``_out_checks``). ``gelu_tanh_into`` computes torch's tanh GELU in
+unless it is ``x`` itself (``ValueError`` before anything is written, ``_memory``). ``gelu_tanh_into`` computes torch's tanh GELU in
 fp32 and rounds once (as torch does); Triton's ``exp``-based tanh may move a result by one ulp.
 
-Tiers (``_fused_tiers``): Triton on CUDA, PyTorch (``torch._C._nn.gelu(..., out=)``, ``copy_``)
+Tiers (``_tiers``): Triton on CUDA, PyTorch (``torch._C._nn.gelu(..., out=)``, ``copy_``)
 elsewhere and for calls autograd records (through ``copy_``, differentiable). Under ``torch.compile`` each call is one mutating custom op with a fake.
 """
 from __future__ import annotations
@@ -24,13 +24,12 @@ from typing import Optional
 
 import torch
 
-from .._compat import is_compiling
-from ._fused_tiers import choose_tier, needs_grad
-from ._out_checks import check_out
+from . import _args, _dispatch
+from ._memory import check_out
+from ._tiers import choose_tier, needs_grad
 
 __all__ = ["gelu_tanh_into", "copy_into"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rows(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -68,10 +67,11 @@ def _(x, out, act, tier) -> None:
     return None
 
 
+@_dispatch.public
 def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> torch.Tensor:
     for t, name in ((x, "x"), (out, "out")):
-        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.dtype not in _DTYPES:
-            raise ValueError(f"{name} must be a float32/bfloat16/float16 tensor")
+        if _args.float_tensor(t, name).dim() < 1:
+            raise ValueError(f"{name} must have at least one dim")
     if x.shape != out.shape or x.dtype != out.dtype or x.device != out.device:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} on {x.device} and out {tuple(out.shape)} {out.dtype} on "
                          f"{out.device} must match")
@@ -82,11 +82,7 @@ def _run(x: torch.Tensor, out: torch.Tensor, act: int, tier: Optional[str]) -> t
         x = x.contiguous()
     grad = needs_grad(x, out)
     chosen = choose_tier(x.device.type, tier, grad)
-    # A call autograd records runs the PyTorch tier inline (also when traced): differentiable through copy_.
-    if grad or (not is_compiling() and type(x) is torch.Tensor):
-        _impl(x, out, act, chosen)
-    else:
-        _act_into_op(x, out, act, chosen)
+    _dispatch.run(x, grad, _impl, _act_into_op, x, out, act, chosen)  # PyTorch tier: differentiable via copy_
     return out
 
 

@@ -8,13 +8,13 @@ Usable without any patching::
 ``x`` may be a strided view (unit-stride last dim), e.g. the MLP part of FLUX.2's fused
 QKV+MLP projection. ``out`` must have x's dtype and device, shape ``[..., F]`` and a unit-stride last
 dim, and its leading dims must flatten to rows without a copy; it must be writable and must not share
-memory with ``x`` (``ValueError`` before anything is written, ``_out_checks``).
+memory with ``x`` (``ValueError`` before anything is written, ``_memory``).
 
 Numerics: diffusers' ``Flux2SwiGLU`` rounds after ``silu`` and after the product; so does the
 kernel. ``silu`` is ``x / (1 + exp(-x))`` in fp32 as in torch's kernel; Triton's ``exp`` may differ
 in the last fp32 bit, so outputs match diffusers to one ulp (bit-identical on the CPU tiers).
 
-Tiers (``_fused_tiers``): Triton on CUDA, PyTorch elsewhere and for calls autograd records. Under ``torch.compile`` the call is one
+Tiers (``_tiers``): Triton on CUDA, PyTorch elsewhere and for calls autograd records. Under ``torch.compile`` the call is one
 ``torchpatches::swiglu`` custom op (with a fake; it mutates ``out``).
 """
 from __future__ import annotations
@@ -24,13 +24,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .._compat import is_compiling
-from ._fused_tiers import choose_tier, force_tier, needs_grad
-from ._out_checks import check_out
+from . import _args, _dispatch
+from ._memory import check_out
+from ._tiers import choose_tier, force_tier, needs_grad
 
 __all__ = ["swiglu", "force_tier"]
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -65,16 +64,15 @@ def _(x, out, tier) -> None:
     return None
 
 
+@_dispatch.public
 def swiglu(x: torch.Tensor, *, out: Optional[torch.Tensor] = None, tier: Optional[str] = None) -> torch.Tensor:
     """``silu(x[..., :F]) * x[..., F:]``; returns ``out`` (a new contiguous tensor if not given).
 
     Raises:
         ValueError: on an odd last dim, unsupported dtype, or an ``out`` that does not fit.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+    if _args.float_tensor(x, "x").dim() < 2:
         raise ValueError("x must be a tensor with at least 2 dims [..., 2F]")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"x dtype {x.dtype} is not supported; expected float32, bfloat16 or float16")
     if x.shape[-1] % 2:
         raise ValueError(f"x's last dim {x.shape[-1]} must be even")
     if x.stride(-1) != 1:
@@ -85,7 +83,7 @@ def swiglu(x: torch.Tensor, *, out: Optional[torch.Tensor] = None, tier: Optiona
         x = x.contiguous()
     shape = (*x.shape[:-1], x.shape[-1] // 2)
     if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        out = x.new_empty(shape)  # new_empty: batched under vmap
     elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype
           or out.device != x.device or out.stride(-1) != 1):
         raise ValueError(f"out must be a {x.dtype} tensor of shape {shape} on {x.device} with a unit-stride "
@@ -95,9 +93,5 @@ def swiglu(x: torch.Tensor, *, out: Optional[torch.Tensor] = None, tier: Optiona
         check_out(x, out, elementwise_in_place=False)
     grad = needs_grad(x, out)
     chosen = choose_tier(x.device.type, tier, grad)
-    # A call autograd records runs the PyTorch tier inline (also when traced): differentiable through copy_.
-    if grad or (not is_compiling() and type(x) is torch.Tensor):
-        _impl(x, out, chosen)
-    else:
-        _swiglu_op(x, out, chosen)
+    _dispatch.run(x, grad, _impl, _swiglu_op, x, out, chosen)  # the PyTorch tier: differentiable through copy_
     return out

@@ -1,72 +1,159 @@
-"""Checks shared by the eager fusion patches (adaln, qk_norm_rope, gate_residual, gelu_gemm, swiglu).
+"""What every eager fusion patch (adaln, qk_norm_rope, gate_residual, gelu_gemm, swiglu) shares.
 
-A fused path replaces some of diffusers' module calls and tensor ops with one kernel. It may only do
-that where skipping those calls changes nothing a user can observe, so every replacement first asks:
+A fused pattern is declared, not hand-written: :func:`fused` turns a *body* into the replacement of a
+diffusers method. The body has the original's signature (spelled once, there), decides from named
+predicates whether it covers the call and returns :data:`FALLBACK` before doing anything if not; the
+replacement owns the rest:
 
-- not compiling (Inductor fuses diffusers' own code; the patches step aside under torch.compile);
-- the tensors are plain ``torch.Tensor`` (no DTensor or other subclass), one floating dtype, and on a
-  device the fused tier serves (CUDA; on CPU only while a test forces a tier, see ``ops/_fused_tiers``);
-- no gradient is wanted (the kernels have no backward);
-- each module whose ``forward`` the fused path does *not* call is exactly the stock class with no
-  hooks (``register_forward_hook``/``_pre_hook``, accelerate's and diffusers' hooks, which replace the
-  instance's ``forward``, and global module hooks), so LoRA/PEFT wrappers, offloading hooks and layerwise
-  casting keep running diffusers' own code.
+    compiling or recording in any form?  (:func:`steps_aside`)   -> original(self, *args, **kwargs)
+    a global the original reads replaced? (:class:`Assumptions`) -> original(self, *args, **kwargs)
+    body(self, *args, **kwargs) is FALLBACK                      -> original(self, *args, **kwargs)
 
-``pattern_on(name)`` tells a replacement whether a sibling pattern is applied right now (e.g. the block
-patch fuses the inline LayerNorm + modulate only while ``adaln`` is on), by looking at the sibling's own
-target: a replaced function carries ``__torchpatches_pattern__``. No state lives here.
+A fused path may only skip diffusers' code where that changes nothing a user can observe, so it steps aside:
+
+- under torch.compile (Inductor fuses diffusers' own code), ``torch.jit.trace`` (a kernel would see traced
+  sizes), forward-mode AD and functorch transforms (vmap, grad, jvp: dual and wrapped tensors), and with
+  module-global forward hooks (:func:`steps_aside`);
+- when a global the replaced stretch looks up at call time is not what it was when the patch was applied:
+  every module global the original's code reads (``apply_rotary_emb``, ``dispatch_attention_fn``, ...), and
+  the functions reached through modules that a target declares (``F.layer_norm``, ``LayerNorm.forward``, ...).
+  A torchpatches replacement of the captured object (the ``rope`` patch's) counts as the object itself;
+- per call (:func:`fusable`): tensors other than plain float ``torch.Tensor`` on a served device (CUDA; on
+  CPU only while a test forces a tier, ``ops/_tiers``), autocast on for that device (diffusers' result
+  dtype would differ), a gradient wanted (inputs or parameters); modules the fused path does not call
+  that are not exactly the stock class without hooks (:func:`stock`).
+
+``pattern_on(name)`` says whether a sibling pattern is applied right now, from the registry's mark on its
+targets (``__torchpatches_patch__``). No state lives here.
 """
 from __future__ import annotations
 
 import functools
+import importlib
+import operator
 import sys
-from typing import Any, Callable, Iterable, Optional
+import types
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-__all__ = [
-    "FLOAT_DTYPES",
-    "plain_module",
-    "plain_layer_norm",
-    "plain_rms_norm",
-    "no_global_hooks",
-    "device_served",
-    "tensors_fit",
-    "grad_free",
-    "pattern_on",
-    "make_method",
-]
+from .._compat import is_compiling
+from .._slot import MARK_ORIGINAL, MARK_PATCH
+from ..ops._tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-#: Where to look to see whether a pattern is applied: (module, class, attribute) of its targets.
-_PROBES = {
-    "adaln": (
-        ("diffusers.models.normalization", "AdaLayerNormZero", "forward"),
-        ("diffusers.models.normalization", "AdaLayerNormZeroSingle", "forward"),
-        ("diffusers.models.normalization", "AdaLayerNormContinuous", "forward"),
-    ),
-    "swiglu": (("diffusers.models.transformers.transformer_flux2", "Flux2SwiGLU", "forward"),),
-}
+__all__ = ["FALLBACK", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT", "fused", "steps_aside",
+           "fusable", "stock", "plain_layer_norm", "plain_rms_norm", "tensors_fit", "pattern_on", "Assumptions"]
 
 
-def pattern_on(name: str) -> bool:
-    """True while the named fusion pattern is applied (at least one of its targets is replaced)."""
-    for module_name, class_name, attribute in _PROBES[name]:
-        cls = getattr(sys.modules.get(module_name), class_name, None)
-        fn = vars(cls).get(attribute) if cls is not None else None
-        if getattr(fn, "__torchpatches_pattern__", None) == name:
-            return True
-    return False
+#: A body's answer for a call it does not cover (given before it does anything): the original runs.
+FALLBACK = object()
+
+#: Functions reached through modules by the code a fused path skips ("module:qualname").
+LAYER_NORM = ("torch.nn.functional:layer_norm", "torch.nn.modules.normalization:LayerNorm.forward")
+RMS_NORM = ("torch.nn.functional:rms_norm", "torch.nn.modules.normalization:RMSNorm.forward")
+GELU = ("torch.nn.functional:gelu", "torch.nn.modules.activation:GELU.forward")
+SILU = ("torch.nn.functional:silu", "torch.nn.modules.activation:SiLU.forward")
+CAT = ("torch:cat",)
 
 
-def no_global_hooks() -> bool:
-    """No module-global forward hooks (they would expect every module call to happen)."""
+# ---- the globals a fused path assumes -------------------------------------------------------------
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # comprehensions, lambdas
+            yield from _global_names(const)
+
+
+def _unmarked(obj: Any) -> Any:
+    """A torchpatches replacement stands for the original it replaces."""
+    original = getattr(obj, MARK_ORIGINAL, None) if callable(obj) else None
+    return obj if original is None else original
+
+
+class Assumptions:
+    """The objects a fused path assumes, captured when the patch is applied, checked by identity per call."""
+
+    __slots__ = ("_checks",)
+
+    def __init__(self, original: Callable[..., Any], declared: Iterable[str] = ()) -> None:
+        g = getattr(original, "__globals__", {})
+        code = getattr(original, "__code__", None)
+        names = sorted({n for n in _global_names(code) if n in g}) if code is not None else []
+        reads = [functools.partial(g.get, name) for name in names]
+        for path in declared:
+            module_name, qualname = path.split(":", 1)
+            reads.append(functools.partial(operator.attrgetter(qualname), importlib.import_module(module_name)))
+        self._checks: Tuple[Tuple[Callable[[], Any], Any], ...] = tuple((read, _unmarked(read())) for read in reads)
+
+    def intact(self) -> bool:
+        for read, want in self._checks:
+            now = read()
+            if now is not want and getattr(now, MARK_ORIGINAL, None) is not want:
+                return False
+        return True
+
+
+# ---- the replacement ---------------------------------------------------------------------------------
+
+
+def steps_aside() -> bool:
+    """Every fused path runs diffusers' code now: compiling, jit tracing, forward AD or a functorch
+    transform, or module-global forward hooks (they expect every module call to happen)."""
+    if is_compiling():
+        return True
     m = torch.nn.modules.module
-    return not (m._global_forward_hooks or m._global_forward_pre_hooks)
+    return eager_transforms() or bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
-def plain_module(module: Any, cls: type) -> bool:
+def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -> Callable[[Any], Any]:
+    """A ``make_replacement`` for a method: ``body`` where it covers the call, else the original."""
+    declared = tuple(assumes)
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        assumptions = Assumptions(original, declared)
+
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not steps_aside() and assumptions.intact():
+                out = body(self, *args, **kwargs)
+                if out is not FALLBACK:
+                    return out
+            return original(self, *args, **kwargs)
+
+        # The original's name and docstring; no __wrapped__ (inspect.unwrap / fingerprint see this function).
+        functools.update_wrapper(method, original, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+        del method.__wrapped__  # the registry marks it with the original and the patch name
+        return method
+
+    make.__name__ = f"{pattern}_{getattr(body, '__name__', 'body')}"
+    return make
+
+
+# ---- per-call predicates -----------------------------------------------------------------------------
+
+
+def fusable(x: Any, modules: Iterable[torch.nn.Module], *tensors: Optional[torch.Tensor]) -> bool:
+    """``x`` is a plain float tensor on a device the fused tiers serve, autocast is off there, and no
+    gradient would be recorded through ``x``, ``tensors`` or the parameters of ``modules``."""
+    return (
+        type(x) is torch.Tensor
+        and x.dtype in FLOAT_DTYPES
+        and (x.device.type == "cuda" or forced_tier() is not None)
+        and not torch.is_autocast_enabled(x.device.type)
+        and _grad_free(modules, x, *tensors)
+    )
+
+
+def _grad_free(modules: Iterable[torch.nn.Module], *tensors: Optional[torch.Tensor]) -> bool:
+    if not torch.is_grad_enabled():
+        return True
+    if any(t is not None and t.requires_grad for t in tensors):
+        return False
+    return not any(p.requires_grad for module in modules for p in module.parameters())
+
+
+def stock(module: Any, cls: type) -> bool:
     """``module`` is exactly ``cls`` and nothing observes or wraps its forward."""
     return (
         type(module) is cls
@@ -76,10 +163,11 @@ def plain_module(module: Any, cls: type) -> bool:
     )
 
 
-def plain_layer_norm(norm: Any, width: int) -> bool:
-    """A stock ``nn.LayerNorm(width)`` without affine parameters, nothing hooked."""
+def plain_layer_norm(norm: Any, width: int, cls: type = torch.nn.LayerNorm) -> bool:
+    """A stock ``cls(width)`` without affine parameters, nothing hooked (``cls``: ``nn.LayerNorm``, or a
+    model's own LayerNorm class such as diffusers' ``FP32LayerNorm`` where the op's rounding mode matches it)."""
     return (
-        plain_module(norm, torch.nn.LayerNorm)
+        stock(norm, cls)
         and norm.weight is None
         and norm.bias is None
         and tuple(norm.normalized_shape) == (width,)
@@ -89,7 +177,7 @@ def plain_layer_norm(norm: Any, width: int) -> bool:
 def plain_rms_norm(norm: Any, x: torch.Tensor) -> bool:
     """A stock ``torch.nn.RMSNorm(head_dim)`` with a weight of x's dtype (torch's fused one-rounding path)."""
     return (
-        plain_module(norm, torch.nn.RMSNorm)
+        stock(norm, torch.nn.RMSNorm)
         and norm.eps is not None
         and tuple(norm.normalized_shape) == (x.shape[-1],)
         and isinstance(norm.weight, torch.Tensor)
@@ -109,30 +197,26 @@ def tensors_fit(*tensors: Optional[torch.Tensor], dtype: torch.dtype, device: to
     return True
 
 
-def device_served(x: torch.Tensor) -> bool:
-    """The fused tiers serve this tensor: a plain float tensor on CUDA, or any device while a test forces a tier."""
-    from ..ops._fused_tiers import forced_tier  # lazily: the ops register torch.library ops when imported
-
-    return (
-        type(x) is torch.Tensor
-        and x.dtype in FLOAT_DTYPES
-        and (x.device.type == "cuda" or forced_tier() is not None)
-    )
+# ---- siblings ----------------------------------------------------------------------------------------
 
 
-def grad_free(modules: Iterable[torch.nn.Module], *tensors: Optional[torch.Tensor]) -> bool:
-    """No autograd graph would be built: grad mode off, or no input and no parameter requires grad."""
-    if not torch.is_grad_enabled():
-        return True
-    if any(t is not None and t.requires_grad for t in tensors):
-        return False
-    return not any(p.requires_grad for module in modules for p in module.parameters())
+@functools.lru_cache(maxsize=None)
+def _target_sites(name: str) -> Tuple[Tuple[str, str, str], ...]:
+    """(module, owner qualname, attribute) of each target the named patch declares."""
+    patch = importlib.import_module(f"{__package__}.{name}").PATCH
+    sites = []
+    for target in patch.targets:
+        module_name, qualname = target.path.split(":", 1)
+        owner, _, attribute = qualname.rpartition(".")
+        sites.append((module_name, owner, attribute))
+    return tuple(sites)
 
 
-def make_method(original: Callable[..., Any], pattern: str, fused: Callable[..., Any]) -> Callable[..., Any]:
-    """Finish a replacement: the original's name and docstring, markers for revert/probes, no ``__wrapped__``."""
-    functools.update_wrapper(fused, original, assigned=("__name__", "__qualname__", "__doc__"), updated=())
-    del fused.__wrapped__  # inspect.unwrap / fingerprint must see the replacement itself
-    fused.__torchpatches_original__ = original  # type: ignore[attr-defined]
-    fused.__torchpatches_pattern__ = pattern  # type: ignore[attr-defined]
-    return fused
+def pattern_on(name: str) -> bool:
+    """True while the named fusion pattern is applied: one of its targets carries the registry's mark."""
+    for module_name, owner, attribute in _target_sites(name):
+        cls = getattr(sys.modules.get(module_name), owner, None)
+        fn = vars(cls).get(attribute) if isinstance(cls, type) else None
+        if getattr(fn, MARK_PATCH, None) == name:
+            return True
+    return False

@@ -3,6 +3,7 @@
 Each helper takes the vectors as diffusers holds them (``[B, D]`` chunks in FLUX.1, ``[B, 1, D]`` in
 FLUX.2, ``[B, S, D]`` in FLUX.2's KV-cache blend) and runs the fused op when every tensor fits
 (same dtype and device as ``x``, plain tensors), else exactly the expression diffusers evaluates.
+``modulated_once`` is the other rounding mode: Wan's fp32 compute, rounded once (``.type_as``).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..ops._tiers import FLOAT_DTYPES
 from ._fused_common import pattern_on, plain_layer_norm, tensors_fit
 
 
@@ -17,8 +19,12 @@ def _token_dim(v: torch.Tensor) -> torch.Tensor:
     return v[:, None] if v.dim() == 2 else v  # diffusers: scale_msa[:, None] / gate.unsqueeze(1)
 
 
-def _vectors_fit(x: torch.Tensor, *vectors: Optional[torch.Tensor]) -> bool:
-    if not tensors_fit(*vectors, dtype=x.dtype, device=x.device):
+def _vectors_fit(x: torch.Tensor, *vectors: Optional[torch.Tensor], rounding: str = "each") -> bool:
+    if rounding == "once":  # fp32 compute: vectors of any float dtype (Wan's fp32 scale_shift_table)
+        if not all(v is None or (type(v) is torch.Tensor and v.dtype in FLOAT_DTYPES and v.device == x.device)
+                   for v in vectors):
+            return False
+    elif not tensors_fit(*vectors, dtype=x.dtype, device=x.device):
         return False
     B, S, D = x.shape
     for v in vectors:
@@ -39,6 +45,17 @@ def modulated(norm: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
 
         return ops.layer_norm_modulate(x, scale, shift, eps=norm.eps)
     return norm(x) * (1 + _token_dim(scale)) + _token_dim(shift)
+
+
+def modulated_once(norm: Any, norm_cls: type, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
+                   ) -> torch.Tensor:
+    """Wan's ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``: one kernel when everything fits."""
+    if x.dim() == 3 and plain_layer_norm(norm, x.shape[-1], norm_cls) and _vectors_fit(x, scale, shift,
+                                                                                        rounding="once"):
+        from ..ops import modulate as ops
+
+        return ops.layer_norm_modulate(x, scale, shift, eps=norm.eps, rounding="once")
+    return (norm(x.float()) * (1 + _token_dim(scale)) + _token_dim(shift)).type_as(x)
 
 
 def residual(h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, clip: bool) -> torch.Tensor:

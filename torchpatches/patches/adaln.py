@@ -17,7 +17,9 @@ What the patch changes
     ``gate_residual`` patch while this one is applied. Every call the kernel does not cover goes to
     diffusers' own forward: ``torch.compile`` (Inductor fuses it already), norms other than a stock
     ``nn.LayerNorm`` without affine parameters (``fp32_layer_norm``, ``rms_norm``, affine norms), hooked
-    norms, gradients, tensor subclasses, CPU tensors, mismatched dtypes.
+    norms, gradients (also forward AD and functorch transforms), ``torch.jit.trace``, autocast, a replaced
+    global of the original or of ``F.layer_norm`` / ``LayerNorm.forward``, tensor subclasses, CPU tensors,
+    mismatched dtypes.
 
 Tolerance
     Bit-identical to diffusers except where the fp32 LayerNorm statistics differ in their last bit
@@ -33,13 +35,12 @@ When to delete
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .._compat import is_compiling
 from .._declare import Patch, Target
-from ._fused_common import device_served, grad_free, make_method, no_global_hooks, plain_layer_norm
+from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, plain_layer_norm
 from ._modulate_calls import modulated
 
 __all__ = ["PATCH"]
@@ -47,63 +48,50 @@ __all__ = ["PATCH"]
 _NORMALIZATION = "diffusers.models.normalization"
 
 
-def _eligible(self: Any, x: Any, *tensors: Any) -> bool:
-    return (
-        isinstance(x, torch.Tensor)
-        and device_served(x)
-        and x.dim() == 3
-        and plain_layer_norm(self.norm, x.shape[-1])
-        and no_global_hooks()
-        and grad_free((self,), x, *tensors)
-    )
+def _covered(self: Any, x: Any, *tensors: Any) -> bool:
+    """A [B, S, D] activation the kernel serves and a stock affine-free LayerNorm."""
+    return fusable(x, (self,), *tensors) and x.dim() == 3 and plain_layer_norm(self.norm, x.shape[-1])
 
 
-def _zero(original: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
-        if is_compiling() or not _eligible(self, x, emb):
-            return original(self, x, timestep, class_labels, hidden_dtype, emb)
-        if self.emb is not None:
-            emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-        emb = self.linear(self.silu(emb))
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-        x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
-        return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
-
-    return make_method(original, "adaln", forward)
+def _zero(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
+    if not _covered(self, x, emb):
+        return FALLBACK
+    if self.emb is not None:
+        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
-def _zero_single(original: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self, x, emb=None):
-        if is_compiling() or not _eligible(self, x, emb):
-            return original(self, x, emb)
-        emb = self.linear(self.silu(emb))
-        shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-        x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
-        return x, gate_msa
-
-    return make_method(original, "adaln", forward)
+def _zero_single(self, x, emb=None):
+    if not _covered(self, x, emb):
+        return FALLBACK
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+    x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
+    return x, gate_msa
 
 
-def _continuous(original: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self, x, conditioning_embedding):
-        if is_compiling() or not _eligible(self, x, conditioning_embedding):
-            return original(self, x, conditioning_embedding)
-        emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
-        scale, shift = torch.chunk(emb, 2, dim=1)
-        return modulated(self.norm, x, scale, shift, fuse=True)
-
-    return make_method(original, "adaln", forward)
+def _continuous(self, x, conditioning_embedding):
+    if not _covered(self, x, conditioning_embedding):
+        return FALLBACK
+    emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    return modulated(self.norm, x, scale, shift, fuse=True)
 
 
 PATCH = Patch(
     name="adaln",
     summary="diffusers adaLN (LayerNorm + modulate) as one kernel in eager mode",
     targets=(
-        Target(f"{_NORMALIZATION}:AdaLayerNormZero.forward", make_replacement=_zero,
+        Target(f"{_NORMALIZATION}:AdaLayerNormZero.forward", make_replacement=fused("adaln", _zero, LAYER_NORM),
                fingerprints=frozenset({"099c201ecf64710b"})),  # diffusers 0.42.1
-        Target(f"{_NORMALIZATION}:AdaLayerNormZeroSingle.forward", make_replacement=_zero_single,
+        Target(f"{_NORMALIZATION}:AdaLayerNormZeroSingle.forward",
+               make_replacement=fused("adaln", _zero_single, LAYER_NORM),
                fingerprints=frozenset({"6e0c5aa5daa844ce"})),  # diffusers 0.42.1
-        Target(f"{_NORMALIZATION}:AdaLayerNormContinuous.forward", make_replacement=_continuous,
+        Target(f"{_NORMALIZATION}:AdaLayerNormContinuous.forward",
+               make_replacement=fused("adaln", _continuous, LAYER_NORM),
                fingerprints=frozenset({"9cc655ba4fb2bfec"})),  # diffusers 0.42.1
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},

@@ -27,9 +27,10 @@ What the patch changes
       buffer ``proj_out`` reads (torch's own GELU kernel with ``out=``, so the values are diffusers'), so
       only the attention output is copied into it.
 
-    Every call it does not cover runs diffusers' forward: ``torch.compile``, IP-adapter processors (FLUX.1
-    double block), hooked or non-stock norms and activations it would skip, gradients, tensor
-    subclasses, CPU tensors.
+    Every call it does not cover runs diffusers' forward: ``torch.compile``, ``torch.jit.trace``, IP-adapter
+    processors (FLUX.1 double block), hooked or non-stock norms and activations it would skip, gradients
+    (also forward AD and functorch transforms), autocast, a replaced global of the block or of
+    ``F.layer_norm`` / ``F.gelu`` / ``torch.cat``, tensor subclasses, CPU tensors.
 
 Tolerance
     Bit-identical to diffusers for the gate + residual (same roundings); the fused LayerNorm as in the
@@ -44,19 +45,20 @@ When to delete
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .._compat import is_compiling
 from .._declare import Patch, Target
-from ._fused_common import device_served, grad_free, make_method, no_global_hooks, pattern_on, plain_module
+from ._fused_common import CAT, FALLBACK, GELU, LAYER_NORM, fusable, fused, pattern_on, stock
 from ._modulate_calls import modulated, residual, residual_modulated
 
 __all__ = ["PATCH", "joined"]
 
 _FLUX = "diffusers.models.transformers.transformer_flux"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
+#: What the replaced glue reaches through modules (norm2 / norm2_context, the single block's GELU and concat).
+_ASSUMES = LAYER_NORM + CAT
 
 
 def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -90,162 +92,130 @@ def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 def _block_ok(block: Any, *tensors: Any) -> bool:
     x = tensors[0]
     return (
-        isinstance(x, torch.Tensor)
-        and device_served(x)
+        fusable(x, (block,), *tensors[1:])
         and x.dim() == 3
         and all(type(t) is torch.Tensor for t in tensors if t is not None)
-        and no_global_hooks()
-        and grad_free((block,), *tensors)
     )
 
 
-def _flux_double(original: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
-        if is_compiling() or not (
-            _block_ok(self, hidden_states, encoder_hidden_states, temb)
-            and type(self.attn.processor) is sys.modules[_FLUX].FluxAttnProcessor  # not IP-adapter (3 outputs)
-        ):
-            return original(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
-        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-            encoder_hidden_states, emb=temb
-        )
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        attn_output, context_attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            encoder_hidden_states=norm_encoder_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
-        hidden_states, norm_hidden_states = residual_modulated(
-            self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
-        )
-        ff_output = self.ff(norm_hidden_states)
-        hidden_states = residual(hidden_states, gate_mlp, ff_output, clip=False)
-        encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
-            self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp
-        )
-        context_ff_output = self.ff_context(norm_encoder_hidden_states)
-        encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, context_ff_output, clip=True)
-        return encoder_hidden_states, hidden_states
-
-    return make_method(original, "gate_residual", forward)
+def _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
+                 img_mlp, txt_mlp, image_rotary_emb, joint_attention_kwargs):
+    """The shared rest of both double blocks (diffusers 0.42.1) from the attention call on, with the glue fused.
+    ``img_mlp`` / ``txt_mlp``: (gate_msa, shift_mlp, scale_mlp, gate_mlp) of each stream."""
+    gate_msa, shift_mlp, scale_mlp, gate_mlp = img_mlp
+    c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt_mlp
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    hidden_states, norm_hidden_states = residual_modulated(
+        self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
+    )
+    hidden_states = residual(hidden_states, gate_mlp, self.ff(norm_hidden_states), clip=False)
+    encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
+        self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp
+    )
+    encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, self.ff_context(norm_encoder_hidden_states),
+                                     clip=True)
+    return encoder_hidden_states, hidden_states
 
 
-def _gelu_tanh_ok(act: Any) -> bool:
-    return plain_module(act, torch.nn.GELU) and act.approximate == "tanh"
+def _flux_double(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                 joint_attention_kwargs=None):
+    if not (_block_ok(self, hidden_states, encoder_hidden_states, temb)
+            and type(self.attn.processor) is sys.modules[_FLUX].FluxAttnProcessor):  # not IP-adapter (3 outputs)
+        return FALLBACK
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    return _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
+                        (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp),
+                        image_rotary_emb, joint_attention_kwargs)
 
 
-def _flux_single(original: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
-        if is_compiling() or not (
-            _block_ok(self, hidden_states, encoder_hidden_states, temb) and _gelu_tanh_ok(self.act_mlp)
-        ):
-            return original(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
-        from ..ops.slices import copy_into, gelu_tanh_into  # lazily: ops register torch.library ops
+def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
+                 joint_attention_kwargs=None):
+    act = self.act_mlp
+    if not (_block_ok(self, hidden_states, encoder_hidden_states, temb)
+            and stock(act, torch.nn.GELU) and act.approximate == "tanh"):
+        return FALLBACK
+    from ..ops.slices import copy_into, gelu_tanh_into  # lazily: ops register torch.library ops
 
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = joined(encoder_hidden_states, hidden_states)
+    residual_states = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp = self.proj_mlp(norm_hidden_states)
+    # [attention output | gelu(mlp)]: the GELU writes its half of proj_out's input directly.
+    width = self.attn.inner_dim
+    buf = mlp.new_empty((*mlp.shape[:-1], width + mlp.shape[-1]))
+    gelu_tanh_into(mlp, buf[..., width:])
+    del mlp
+    attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    if attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype:
+        copy_into(attn_output, buf[..., :width])
+    else:  # a processor returned another width or dtype: the concat diffusers would do
+        buf = torch.cat([attn_output, buf[..., width:]], dim=2)
+    hidden_states = residual(residual_states, gate, self.proj_out(buf), clip=True)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def _flux2_double(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb=None,
+                  joint_attention_kwargs=None):
+    if not _block_ok(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt):
+        return FALLBACK
+    split = sys.modules[_FLUX2].Flux2Modulation.split
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(temb_mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split(temb_mod_txt, 2)
+    fuse = pattern_on("adaln")
+    norm_hidden_states = modulated(self.norm1, hidden_states, scale_msa, shift_msa, fuse=fuse)
+    norm_encoder_hidden_states = modulated(self.norm1_context, encoder_hidden_states, c_scale_msa, c_shift_msa,
+                                           fuse=fuse)
+    return _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
+                        (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp),
+                        image_rotary_emb, joint_attention_kwargs)
+
+
+def _flux2_single(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
+                  joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
+    if not _block_ok(self, hidden_states, encoder_hidden_states, temb_mod):
+        return FALLBACK
+    if encoder_hidden_states is not None:
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = joined(encoder_hidden_states, hidden_states)
-        residual_states = hidden_states
-        norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-        mlp = self.proj_mlp(norm_hidden_states)
-        # [attention output | gelu(mlp)]: the GELU writes its half of proj_out's input directly.
-        width = self.attn.inner_dim
-        buf = mlp.new_empty((*mlp.shape[:-1], width + mlp.shape[-1]))
-        gelu_tanh_into(mlp, buf[..., width:])
-        del mlp
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
-        if attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype:
-            copy_into(attn_output, buf[..., :width])
-        else:  # a processor returned another width or dtype: the concat diffusers would do
-            buf = torch.cat([attn_output, buf[..., width:]], dim=2)
-        hidden_states = residual(residual_states, gate, self.proj_out(buf), clip=True)
-        encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-        return encoder_hidden_states, hidden_states
-
-    return make_method(original, "gate_residual", forward)
+    mod_shift, mod_scale, mod_gate = sys.modules[_FLUX2].Flux2Modulation.split(temb_mod, 1)[0]
+    norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=pattern_on("adaln"))
+    attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    hidden_states = residual(hidden_states, mod_gate, attn_output, clip=True)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
 
 
-def _flux2_double(original: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb=None,
-                joint_attention_kwargs=None):
-        if is_compiling() or not _block_ok(
-            self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt
-        ):
-            return original(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb,
-                            joint_attention_kwargs)
-        split = sys.modules[_FLUX2].Flux2Modulation.split
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(temb_mod_img, 2)
-        (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split(temb_mod_txt, 2)
-        fuse = pattern_on("adaln")
-        norm_hidden_states = modulated(self.norm1, hidden_states, scale_msa, shift_msa, fuse=fuse)
-        norm_encoder_hidden_states = modulated(self.norm1_context, encoder_hidden_states, c_scale_msa, c_shift_msa,
-                                               fuse=fuse)
-        attn_output, context_attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            encoder_hidden_states=norm_encoder_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
-        hidden_states, norm_hidden_states = residual_modulated(
-            self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
-        )
-        ff_output = self.ff(norm_hidden_states)
-        hidden_states = residual(hidden_states, gate_mlp, ff_output, clip=False)
-        encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
-            self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp
-        )
-        context_ff_output = self.ff_context(norm_encoder_hidden_states)
-        encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, context_ff_output, clip=True)
-        return encoder_hidden_states, hidden_states
-
-    return make_method(original, "gate_residual", forward)
-
-
-def _flux2_single(original: Callable[..., Any]) -> Callable[..., Any]:
-    def forward(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
-                joint_attention_kwargs=None, split_hidden_states=False, text_seq_len=None):
-        if is_compiling() or not _block_ok(self, hidden_states, encoder_hidden_states, temb_mod):
-            return original(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb,
-                            joint_attention_kwargs, split_hidden_states, text_seq_len)
-        if encoder_hidden_states is not None:
-            text_seq_len = encoder_hidden_states.shape[1]
-            hidden_states = joined(encoder_hidden_states, hidden_states)
-        mod_shift, mod_scale, mod_gate = sys.modules[_FLUX2].Flux2Modulation.split(temb_mod, 1)[0]
-        norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=pattern_on("adaln"))
-        joint_attention_kwargs = joint_attention_kwargs or {}
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **joint_attention_kwargs,
-        )
-        hidden_states = residual(hidden_states, mod_gate, attn_output, clip=True)
-        if split_hidden_states:
-            encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-            return encoder_hidden_states, hidden_states
-        return hidden_states
-
-    return make_method(original, "gate_residual", forward)
+def _target(qualname: str, body: Any, fingerprint: str, assumes: tuple = _ASSUMES) -> Target:
+    return Target(qualname, make_replacement=fused("gate_residual", body, assumes),
+                  fingerprints=frozenset({fingerprint}))
 
 
 PATCH = Patch(
     name="gate_residual",
     summary="FLUX blocks: gate + residual (+ next LayerNorm/modulate) in one kernel, concats without copies (eager)",
-    targets=(
-        Target(f"{_FLUX}:FluxTransformerBlock.forward", make_replacement=_flux_double,
-               fingerprints=frozenset({"2ddc89c799fd6eca"})),  # diffusers 0.42.1
-        Target(f"{_FLUX}:FluxSingleTransformerBlock.forward", make_replacement=_flux_single,
-               fingerprints=frozenset({"febf6aee7ca882b6"})),  # diffusers 0.42.1
-        Target(f"{_FLUX2}:Flux2TransformerBlock.forward", make_replacement=_flux2_double,
-               fingerprints=frozenset({"47bed5da14990da5"})),  # diffusers 0.42.1
-        Target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", make_replacement=_flux2_single,
-               fingerprints=frozenset({"12422e38cc8c135b"})),  # diffusers 0.42.1
+    targets=(  # fingerprints: diffusers 0.42.1
+        _target(f"{_FLUX}:FluxTransformerBlock.forward", _flux_double, "2ddc89c799fd6eca"),
+        _target(f"{_FLUX}:FluxSingleTransformerBlock.forward", _flux_single, "febf6aee7ca882b6", _ASSUMES + GELU),
+        _target(f"{_FLUX2}:Flux2TransformerBlock.forward", _flux2_double, "47bed5da14990da5"),
+        _target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", _flux2_single, "12422e38cc8c135b"),
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
 )

@@ -11,7 +11,8 @@ What goes wrong upstream
 What the patch changes
     ``GELU.forward`` calls ``torchpatches.ops.linear_gelu.linear_gelu_tanh`` with ``self.proj``'s weight
     and bias when the projection is a stock, unhooked ``nn.Linear`` with a bias, on CUDA in bf16/fp16,
-    without gradients; everything else (exact GELU, a subclass overriding ``gelu``, LoRA/PEFT-wrapped ``proj``, hooks, CPU, fp32,
+    without gradients; everything else (exact GELU, a subclass overriding ``gelu``, LoRA/PEFT-wrapped
+    ``proj``, hooks, CPU, fp32, autocast, forward AD, functorch transforms, ``torch.jit.trace``,
     ``torch.compile``) runs diffusers' forward. On CPU ``torch._addmm_activation(use_gelu=True)`` computes
     the *erf* GELU, so the op never uses it there (checked on torch 2.11 and 2.13).
 
@@ -28,47 +29,40 @@ When to delete
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import sys
+from typing import Any
 
 import torch
 
-from .._compat import is_compiling
 from .._declare import Patch, Target
-from ._fused_common import grad_free, make_method, no_global_hooks, plain_module
+from ._fused_common import FALLBACK, GELU, fusable, fused, stock
 
 __all__ = ["PATCH"]
 
+_ACTIVATIONS = "diffusers.models.activations"
 
-def _make(original: Callable[..., Any]) -> Callable[..., Any]:
-    # Imported when the target loads (this runs then), not with torchpatches.
-    from ..ops import linear_gelu as ops
 
-    # The fused path skips ``self.gelu``: a subclass that overrides it keeps diffusers' forward.
-    stock_class = getattr(original, "__globals__", {}).get("GELU")
-    stock_gelu = vars(stock_class).get("gelu") if isinstance(stock_class, type) else None
+def _gelu_gemm(self, hidden_states):
+    from ..ops import linear_gelu as ops  # lazily: with the target
 
-    def forward(self, hidden_states):
-        if is_compiling() or not (
-            self.approximate == "tanh"
-            and getattr(type(self), "gelu", None) is stock_gelu
-            and type(hidden_states) is torch.Tensor
-            and plain_module(self.proj, torch.nn.Linear)
-            and type(self.proj.weight) is torch.nn.Parameter
-            and ops.lt_tier_fits(hidden_states, self.proj.weight, self.proj.bias)
-            and no_global_hooks()
-            and grad_free((self,), hidden_states)
-        ):
-            return original(self, hidden_states)
-        return ops.linear_gelu_tanh(hidden_states, self.proj.weight, self.proj.bias, tier="cublaslt")
-
-    return make_method(original, "gelu_gemm", forward)
+    proj = self.proj
+    if not (
+        self.approximate == "tanh"
+        and type(self).gelu is sys.modules[_ACTIVATIONS].GELU.gelu  # the fused path skips ``self.gelu``
+        and fusable(hidden_states, (self,))
+        and stock(proj, torch.nn.Linear)
+        and type(proj.weight) is torch.nn.Parameter
+        and ops.lt_tier_fits(hidden_states, proj.weight, proj.bias)
+    ):
+        return FALLBACK
+    return ops.linear_gelu_tanh(hidden_states, proj.weight, proj.bias, tier="cublaslt")
 
 
 PATCH = Patch(
     name="gelu_gemm",
     summary="diffusers GELU(tanh) projection with the GELU in the cuBLASLt epilogue (eager, CUDA)",
     targets=(
-        Target("diffusers.models.activations:GELU.forward", make_replacement=_make,
+        Target(f"{_ACTIVATIONS}:GELU.forward", make_replacement=fused("gelu_gemm", _gelu_gemm, GELU + (f"{_ACTIVATIONS}:GELU.gelu",)),
                fingerprints=frozenset({"d6728e812cd51ebb"})),  # diffusers 0.42.1
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},

@@ -19,7 +19,9 @@ What the patch changes
     Everything else runs diffusers' own ``__call__``: ``torch.compile`` (Inductor fuses this stretch
     itself), norms that are not stock ``torch.nn.RMSNorm`` with a weight of the activations' dtype, hooked
     norms, no rotary embedding or one that is not FLUX's fp32 ``(cos, sin)`` tables, context/tensor
-    parallel configs, gradients, tensor subclasses, CPU tensors.
+    parallel configs, gradients (also forward AD and functorch transforms), ``torch.jit.trace``, autocast,
+    a replaced global of the processor (a user's own ``apply_rotary_emb``, ``dispatch_attention_fn``) or of
+    ``F.rms_norm`` / ``RMSNorm.forward`` / ``torch.cat``, tensor subclasses, CPU tensors.
 
 Tolerance
     torch's fused RMSNorm then diffusers' RoPE, rounding at the same two points; fp32 reduction order
@@ -38,22 +40,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._compat import is_compiling
 from .._declare import Patch, Target
-from ._fused_common import (
-    device_served,
-    grad_free,
-    make_method,
-    no_global_hooks,
-    pattern_on,
-    plain_module,
-    plain_rms_norm,
-)
+from ._fused_common import CAT, FALLBACK, RMS_NORM, SILU, fusable, fused, pattern_on, plain_rms_norm, stock
 
 __all__ = ["PATCH"]
 
 _FLUX = "diffusers.models.transformers.transformer_flux"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
+#: What the fused stretch skips besides the processors' own globals (checked per call by ``fused``).
+_ASSUMES = RMS_NORM + CAT
 
 
 def _rotary_fits(image_rotary_emb: Any, x: torch.Tensor, rows: int) -> bool:
@@ -73,14 +68,10 @@ def _common_ok(processor: Any, attn: Any, hidden_states: Any, image_rotary_emb: 
     # (prompt tuning), hidden_states needs none, but the text q/k/v do.
     rotary = tuple(image_rotary_emb) if isinstance(image_rotary_emb, (tuple, list)) else (image_rotary_emb,)
     return (
-        isinstance(hidden_states, torch.Tensor)
-        and device_served(hidden_states)
+        image_rotary_emb is not None
+        and fusable(hidden_states, (attn,), encoder_hidden_states, *(t for t in rotary if isinstance(t, torch.Tensor)))
         and hidden_states.dim() == 3
-        and image_rotary_emb is not None
         and getattr(processor, "_parallel_config", None) is None
-        and no_global_hooks()
-        and grad_free((attn,), hidden_states, encoder_hidden_states,
-                      *(t for t in rotary if isinstance(t, torch.Tensor)))
     )
 
 
@@ -155,67 +146,58 @@ def _joint_ok(attn: Any, encoder_hidden_states: Optional[torch.Tensor]) -> Optio
     return True
 
 
-def _flux(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        joint = None if is_compiling() else _joint_ok(attn, encoder_hidden_states)
-        if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb, encoder_hidden_states):
-            return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        module = sys.modules[_FLUX]
-        query, key, value = _qkv(module, attn, hidden_states, encoder_hidden_states, image_rotary_emb, joint)
-        # The rest is diffusers 0.42.1 FluxAttnProcessor.__call__ unchanged.
-        hidden_states = module.dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.to(query.dtype)
-        if encoder_hidden_states is not None:
-            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
-            )
-            hidden_states = attn.to_out[0](hidden_states.contiguous())
-            hidden_states = attn.to_out[1](hidden_states)
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
-            return hidden_states, encoder_hidden_states
+def _attend(processor: Any, query, key, value, attention_mask, module: Any) -> torch.Tensor:
+    """diffusers 0.42.1's attention call of the FLUX processors, through the module's own global."""
+    hidden_states = module.dispatch_attention_fn(
+        query, key, value, attn_mask=attention_mask, backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )
+    return hidden_states.flatten(2, 3).to(query.dtype)
+
+
+def _split_text(hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor):
+    text = encoder_hidden_states.shape[1]
+    return hidden_states.split_with_sizes([text, hidden_states.shape[1] - text], dim=1)
+
+
+def _flux_out(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor]):
+    """The rest of diffusers 0.42.1 FluxAttnProcessor.__call__ (single blocks have no to_out)."""
+    if encoder_hidden_states is None:
         return hidden_states
+    encoder_hidden_states, hidden_states = _split_text(hidden_states, encoder_hidden_states)
+    hidden_states = attn.to_out[1](attn.to_out[0](hidden_states.contiguous()))
+    return hidden_states, attn.to_add_out(encoder_hidden_states.contiguous())
 
-    return make_method(original, "qk_norm_rope", __call__)
+
+def _flux2_out(attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor]):
+    """The rest of diffusers 0.42.1 Flux2AttnProcessor.__call__."""
+    if encoder_hidden_states is not None:
+        encoder_hidden_states, hidden_states = _split_text(hidden_states, encoder_hidden_states)
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+    hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+    return hidden_states if encoder_hidden_states is None else (hidden_states, encoder_hidden_states)
 
 
-def _flux2(original: Callable[..., Any]) -> Callable[..., Any]:
+def _processor(module_name: str, finish: Callable[..., Any]) -> Callable[..., Any]:
+    """The body of a FLUX joint-attention processor: projections, the fused stretch, attention, ``finish``."""
+
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
-        joint = None if is_compiling() else _joint_ok(attn, encoder_hidden_states)
+        joint = _joint_ok(attn, encoder_hidden_states)
         if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb, encoder_hidden_states):
-            return original(self, attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
-        module = sys.modules[_FLUX2]
+            return FALLBACK
+        module = sys.modules[module_name]
         query, key, value = _qkv(module, attn, hidden_states, encoder_hidden_states, image_rotary_emb, joint)
-        # The rest is diffusers 0.42.1 Flux2AttnProcessor.__call__ unchanged.
-        hidden_states = module.dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.to(query.dtype)
-        if encoder_hidden_states is not None:
-            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-                [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
-            )
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-        hidden_states = attn.to_out[0](hidden_states)
-        hidden_states = attn.to_out[1](hidden_states)
-        if encoder_hidden_states is not None:
-            return hidden_states, encoder_hidden_states
-        return hidden_states
+        return finish(attn, _attend(self, query, key, value, attention_mask, module), encoder_hidden_states)
 
-    return make_method(original, "qk_norm_rope", __call__)
+    return __call__
 
 
 def _swiglu_into(module: Any, attn: Any, mlp_hidden_states: torch.Tensor, attn_output: torch.Tensor
                  ) -> Optional[torch.Tensor]:
     """``torch.cat([attn_output, mlp_act_fn(mlp)], -1)`` without the cat's pass, or None if it does not fit."""
     act = attn.mlp_act_fn
-    if not (pattern_on("swiglu") and plain_module(act, module.Flux2SwiGLU)
-            and plain_module(act.gate_fn, torch.nn.SiLU) and attn_output.dim() == 3
+    if not (pattern_on("swiglu") and stock(act, module.Flux2SwiGLU)
+            and stock(act.gate_fn, torch.nn.SiLU) and attn_output.dim() == 3
             and attn_output.dtype == mlp_hidden_states.dtype and type(attn_output) is torch.Tensor
             and attn_output.shape[:2] == mlp_hidden_states.shape[:2] and mlp_hidden_states.shape[-1] % 2 == 0):
         return None
@@ -229,48 +211,43 @@ def _swiglu_into(module: Any, attn: Any, mlp_hidden_states: torch.Tensor, attn_o
     return buf
 
 
-def _flux2_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
-    def __call__(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
-        if is_compiling() or not _common_ok(self, attn, hidden_states, image_rotary_emb):
-            return original(self, attn, hidden_states, attention_mask, image_rotary_emb)
-        module = sys.modules[_FLUX2]
-        # diffusers 0.42.1 Flux2ParallelSelfAttnProcessor.__call__, with the q/k stretch fused.
-        hidden_states = attn.to_qkv_mlp_proj(hidden_states)
-        qkv_dim = 3 * attn.inner_dim
-        mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
-        local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
-        qkv, mlp_hidden_states = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
-        query, key, value = qkv.chunk(3, dim=-1)
-        fused = _fused_qkv(attn, query, key, value, None, None, None, image_rotary_emb, False)
-        if fused is None:
-            query, key, value = _diffusers_qkv(attn, query, key, value, None, None, None, image_rotary_emb, False,
-                                               module.apply_rotary_emb)
-        else:
-            query, key, value = fused
-        hidden_states = module.dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3)
-        hidden_states = hidden_states.to(query.dtype)
-        joined = _swiglu_into(module, attn, mlp_hidden_states, hidden_states)
-        if joined is None:
-            mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
-            joined = torch.cat([hidden_states, mlp_hidden_states], dim=-1)
-        return attn.to_out(joined)
-
-    return make_method(original, "qk_norm_rope", __call__)
+def _flux2_parallel(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
+    if not _common_ok(self, attn, hidden_states, image_rotary_emb):
+        return FALLBACK
+    module = sys.modules[_FLUX2]
+    # diffusers 0.42.1 Flux2ParallelSelfAttnProcessor.__call__, with the q/k stretch fused.
+    hidden_states = attn.to_qkv_mlp_proj(hidden_states)
+    qkv_dim = 3 * attn.inner_dim
+    mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
+    local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
+    qkv, mlp_hidden_states = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
+    query, key, value = qkv.chunk(3, dim=-1)
+    fused_qkv = _fused_qkv(attn, query, key, value, None, None, None, image_rotary_emb, False)
+    if fused_qkv is None:
+        query, key, value = _diffusers_qkv(attn, query, key, value, None, None, None, image_rotary_emb, False,
+                                           module.apply_rotary_emb)
+    else:
+        query, key, value = fused_qkv
+    hidden_states = _attend(self, query, key, value, attention_mask, module)
+    joined = _swiglu_into(module, attn, mlp_hidden_states, hidden_states)
+    if joined is None:
+        mlp_hidden_states = attn.mlp_act_fn(mlp_hidden_states)
+        joined = torch.cat([hidden_states, mlp_hidden_states], dim=-1)
+    return attn.to_out(joined)
 
 
 PATCH = Patch(
     name="qk_norm_rope",
     summary="FLUX attention processors: q/k RMSNorm + RoPE + text/image concat in one kernel (eager)",
     targets=(
-        Target(f"{_FLUX}:FluxAttnProcessor.__call__", make_replacement=_flux,
+        Target(f"{_FLUX}:FluxAttnProcessor.__call__",
+               make_replacement=fused("qk_norm_rope", _processor(_FLUX, _flux_out), _ASSUMES),
                fingerprints=frozenset({"6af7ff9528985bcc"})),  # diffusers 0.42.1
-        Target(f"{_FLUX2}:Flux2AttnProcessor.__call__", make_replacement=_flux2,
+        Target(f"{_FLUX2}:Flux2AttnProcessor.__call__",
+               make_replacement=fused("qk_norm_rope", _processor(_FLUX2, _flux2_out), _ASSUMES),
                fingerprints=frozenset({"e3f195d59c330a7b"})),  # diffusers 0.42.1
-        Target(f"{_FLUX2}:Flux2ParallelSelfAttnProcessor.__call__", make_replacement=_flux2_parallel,
+        Target(f"{_FLUX2}:Flux2ParallelSelfAttnProcessor.__call__",
+               make_replacement=fused("qk_norm_rope", _flux2_parallel, _ASSUMES + SILU),
                fingerprints=frozenset({"31019376b6209552"})),  # diffusers 0.42.1
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},

@@ -19,8 +19,9 @@ What the patch changes
     dtype. On CUDA that is one Triton kernel (the ``torchpatches::rope_qk_triton`` custom op);
     elsewhere the op's plain-PyTorch tier (FlashInfer does not take diffusers' per-token form).
     Every other form (complex freqs with ``use_real=False``, ``use_real_unbind_dim=-2``, other
-    shapes, dtypes or devices, tensor subclasses, inputs that need a gradient, anything the op
-    refuses with ValueError) goes to the original function unchanged.
+    shapes, dtypes or devices, tensor subclasses, inputs that need a gradient, forward-mode AD and
+    functorch transforms (dual or wrapped tensors), ``torch.jit.trace``, anything the op refuses with
+    ValueError) goes to the original function unchanged.
 
     Under ``torch.compile`` the replacement keeps diffusers' own math (the original function is
     traced): Inductor fuses it with the RMSNorm of q/k and the text/image concat, while a custom op
@@ -58,6 +59,7 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
+from ..ops._tiers import FLOAT_DTYPES, eager_transforms
 
 logger = logging.getLogger("torchpatches")
 
@@ -72,7 +74,6 @@ ALIASES: Tuple[str, ...] = (
     "diffusers.models.transformers.transformer_flux3:apply_rotary_emb",  # FLUX.3 ("Copied from flux2")
 )
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def is_flux_call(x: Any, freqs_cis: Any, use_real: Any, use_real_unbind_dim: Any, sequence_dim: Any) -> bool:
@@ -83,7 +84,7 @@ def is_flux_call(x: Any, freqs_cis: Any, use_real: Any, use_real_unbind_dim: Any
     """
     if use_real is not True or use_real_unbind_dim != -1 or sequence_dim not in (1, 2):
         return False
-    if type(x) is not torch.Tensor or x.dim() != 4 or x.dtype not in _FLOAT_DTYPES or x.shape[-1] % 2:
+    if type(x) is not torch.Tensor or x.dim() != 4 or x.dtype not in FLOAT_DTYPES or x.shape[-1] % 2:
         return False  # subclasses (DTensor under tensor parallelism) keep the original
     if any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
         return False  # expanded views: the op refuses to write several outputs from one element
@@ -122,10 +123,10 @@ def build_replacement(original: Callable[..., torch.Tensor]) -> Callable[..., to
         use_real_unbind_dim: int = -1,
         sequence_dim: int = 2,
     ) -> torch.Tensor:
-        if is_compiling():
-            # Inductor fuses diffusers' own RoPE with the q/k RMSNorm and the concat: keep it visible.
-            return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
-        if not is_flux_call(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
+        # Compiling: Inductor fuses diffusers' own RoPE with the q/k RMSNorm and the concat (keep it
+        # visible). Forward AD / functorch transforms / jit tracing: diffusers' differentiable, traceable ops.
+        if is_compiling() or eager_transforms() or not is_flux_call(
+                x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
             return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         cos, sin = freqs_cis
         try:

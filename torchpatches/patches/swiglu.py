@@ -25,42 +25,30 @@ When to delete
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from .._compat import is_compiling
 from .._declare import Patch, Target
-from ._fused_common import device_served, grad_free, make_method, no_global_hooks, plain_module
+from ._fused_common import FALLBACK, SILU, fusable, fused, stock
 
 __all__ = ["PATCH"]
 
 
-def _make(original: Callable[..., Any]) -> Callable[..., Any]:
-    # Imported when the target loads (this runs then), not with torchpatches.
-    from ..ops.swiglu import swiglu
+def _swiglu(self, x):
+    if not (fusable(x, (self,)) and x.dim() >= 2 and x.shape[-1] % 2 == 0 and stock(self.gate_fn, torch.nn.SiLU)):
+        return FALLBACK
+    from ..ops.swiglu import swiglu  # lazily: importing an op registers torch.library ops
 
-    def forward(self, x):
-        if is_compiling() or not (
-            isinstance(x, torch.Tensor)
-            and device_served(x)
-            and x.dim() >= 2
-            and x.shape[-1] % 2 == 0
-            and plain_module(self.gate_fn, torch.nn.SiLU)
-            and no_global_hooks()
-            and grad_free((self,), x)
-        ):
-            return original(self, x)
-        return swiglu(x)
-
-    return make_method(original, "swiglu", forward)
+    return swiglu(x)
 
 
 PATCH = Patch(
     name="swiglu",
     summary="FLUX.2 SwiGLU as one kernel in eager mode",
     targets=(
-        Target("diffusers.models.transformers.transformer_flux2:Flux2SwiGLU.forward", make_replacement=_make,
+        Target("diffusers.models.transformers.transformer_flux2:Flux2SwiGLU.forward",
+               make_replacement=fused("swiglu", _swiglu, SILU),
                fingerprints=frozenset({"e565d6e467a53e9b"})),  # diffusers 0.42.1
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},

@@ -1,0 +1,39 @@
+"""The tiny FLUX models the fused-pattern tests run (not a test module)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Tuple
+
+import torch
+
+#: The eager fusion patterns.
+FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
+#: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
+MODELS = ("flux1", "flux2")
+#: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
+#: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.
+DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))
+
+
+def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
+    """The harness's ``flux1-fused`` / ``flux2-fused`` (1 double + 2 single blocks), 16 image + 8 text tokens."""
+    from torchpatches._harness import build_model, tiny_inputs
+
+    config = f"{name}-fused"
+    model = build_model(config, dtype=dtype, device=DEVICE)
+    inputs = tiny_inputs(config, dtype=dtype, device=DEVICE)
+    inputs.pop("return_dict")
+    return model, inputs
+
+
+def run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+def reverted(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    """The model's output with every fused pattern (and the rope patch) reverted for the call."""
+    import torchpatches
+
+    with torchpatches.disabled(*FUSED, "rope"):
+        return run(model, inputs)

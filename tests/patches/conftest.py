@@ -1,0 +1,43 @@
+"""Fixtures shared by the fused-pattern tests: every pattern applied, and counters of the fused op bodies."""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Dict, Iterator
+
+import pytest
+import torch
+from _fused_models import FUSED
+
+
+@pytest.fixture
+def fused_on() -> Iterator[None]:
+    """Every fused pattern applied for the test; the previous state restored after it."""
+    import torchpatches
+
+    were = {name: torchpatches.status()[name].state.value for name in FUSED}
+    torchpatches.apply(list(FUSED))
+    try:
+        yield
+    finally:
+        torchpatches.revert([n for n, s in were.items() if s != "applied"])
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
+    """How often each fused op body ran (``"<op>"``), and how often with a tensor requiring grad
+    (``"<op> with grad"``)."""
+    from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu
+
+    counts: Dict[str, int] = collections.Counter()
+    for module in (modulate, qk_norm_rope, swiglu, slices):
+        real = module._impl
+
+        def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = module.__name__, **kwargs: Any):
+            name = _name.rsplit(".", 1)[1]
+            counts[name] += 1
+            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                counts[f"{name} with grad"] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "_impl", counting)
+    return counts

@@ -1,0 +1,240 @@
+"""Where the fused patterns (and the rope patch) must step aside so diffusers' own code runs (issue 18).
+
+Each case compares the patched tiny FLUX.1 / FLUX.2 with the same model and the patches reverted, on CPU
+with the PyTorch tier forced (the fused path allowed on CPU), and with the Triton tier (Triton's CPU
+interpreter) where triton is installed:
+
+- forward-mode AD (dual tensors): the tangent must be diffusers' (item 1);
+- functorch transforms (``vmap``, ``jvp``): no crash, diffusers' values (item 4);
+- ``torch.jit.trace``: diffusers' graph, and no TracerWarning raised from torchpatches' code (item 5);
+- autocast: diffusers' result dtype (item 6);
+- a global the replaced stretch looks up at call time, rebound by a user: what diffusers computes with it
+  (items 2, 3).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import torchpatches  # noqa: E402
+from _fused_models import DEVICE, FUSED, MODELS, reverted, run, tiny  # noqa: E402
+from diffusers.models import normalization  # noqa: E402
+from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
+from torchpatches.ops.modulate import force_tier  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fused_on")
+
+try:
+    import triton  # noqa: F401
+
+    TIERS = ["torch", "triton"]
+except ImportError:  # pragma: no cover
+    TIERS = ["torch"]
+
+
+@pytest.fixture(autouse=True)
+def rope_on() -> Iterator[None]:
+    """The rope patch applied too (on by default on CUDA): its replacement runs inside the processors'
+    fallbacks, and alone in the reverted fused patterns' code."""
+    was = torchpatches.status()["rope"].state.value
+    torchpatches.apply("rope")
+    try:
+        yield
+    finally:
+        if was != "applied":
+            torchpatches.revert("rope")
+
+
+# ---- item 1: forward-mode AD ----------------------------------------------------------------------
+
+
+def _math_attention() -> Any:
+    """CPU's flash attention has no forward-AD formula; the math backend has."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _tangent(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    import torch.autograd.forward_ad as fwAD
+
+    direction = torch.randn(inputs["hidden_states"].shape, generator=torch.Generator().manual_seed(3),
+                            dtype=inputs["hidden_states"].dtype).to(DEVICE)
+    with torch.no_grad(), _math_attention(), fwAD.dual_level():
+        dual = fwAD.make_dual(inputs["hidden_states"], direction)
+        out = model(**{**inputs, "hidden_states": dual}, return_dict=False)[0]
+        primal, tangent = fwAD.unpack_dual(out)
+        assert tangent is not None, "the output lost its tangent"
+        return torch.cat([primal.flatten(), tangent.flatten()])
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("which", MODELS)
+def test_forward_ad_gets_diffusers_tangent(which: str, tier: str, calls: Dict[str, int]) -> None:
+    model, inputs = tiny(which)
+    with torchpatches.disabled(*FUSED, "rope"):
+        ref = _tangent(model, inputs)
+    with force_tier(tier):
+        got = _tangent(model, inputs)
+    assert torch.equal(got, ref)
+    assert not calls, dict(calls)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_rope_patch_alone_gets_diffusers_tangent(tier: str) -> None:
+    """The rope patch's kernel writes results autograd's forward mode cannot see: diffusers' function runs."""
+    from torchpatches.ops import rope
+
+    model, inputs = tiny("flux2")
+    with torchpatches.disabled(*FUSED, "rope"):
+        ref = _tangent(model, inputs)
+    with torchpatches.disabled(*FUSED), rope.force_tier(tier):
+        got = _tangent(model, inputs)
+    assert torch.equal(got, ref)
+
+
+# ---- item 4: functorch transforms -----------------------------------------------------------------
+
+
+def _vmapped(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    batch = torch.stack([inputs["hidden_states"], inputs["hidden_states"] * 0.5])
+
+    def one(hidden_states: torch.Tensor) -> torch.Tensor:
+        return model(**{**inputs, "hidden_states": hidden_states}, return_dict=False)[0]
+
+    with torch.no_grad():
+        return torch.func.vmap(one)(batch)
+
+
+def _jvp(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    def f(hidden_states: torch.Tensor) -> torch.Tensor:
+        return model(**{**inputs, "hidden_states": hidden_states}, return_dict=False)[0]
+
+    x = inputs["hidden_states"]
+    with torch.no_grad(), _math_attention():
+        out, tangent = torch.func.jvp(f, (x,), (torch.ones_like(x),))
+    return torch.cat([out.flatten(), tangent.flatten()])
+
+
+@pytest.mark.parametrize("transform", [_vmapped, _jvp], ids=["vmap", "jvp"])
+@pytest.mark.parametrize("which", MODELS)
+def test_functorch_transforms_get_diffusers_code(which: str, transform: Callable[..., torch.Tensor],
+                                                 calls: Dict[str, int]) -> None:
+    model, inputs = tiny(which)
+    with torchpatches.disabled(*FUSED, "rope"):
+        ref = transform(model, inputs)
+    with force_tier("torch"):
+        got = transform(model, inputs)
+    assert torch.equal(got, ref)
+    assert not calls, dict(calls)
+
+
+# ---- item 5: torch.jit.trace ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_jit_trace_gets_diffusers_code_and_no_tracer_warnings_from_torchpatches(tier: str,
+                                                                                calls: Dict[str, int]) -> None:
+    model, inputs = tiny("flux2")
+    ref = reverted(model, inputs)
+    names = sorted(inputs)
+
+    def f(*args: torch.Tensor) -> torch.Tensor:
+        return model(**dict(zip(names, args)), return_dict=False)[0]
+
+    with force_tier(tier), torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        traced = torch.jit.trace(f, tuple(inputs[n] for n in names), check_trace=False)
+    ours = [w for w in seen if issubclass(w.category, torch.jit.TracerWarning) and "torchpatches" in w.filename]
+    assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours[:5]]
+    assert not calls, dict(calls)
+    with torch.no_grad():
+        assert torch.equal(traced(*(inputs[n] for n in names)), ref)
+
+
+# ---- item 6: autocast -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_autocast_gets_diffusers_result_dtype(tier: str, calls: Dict[str, int]) -> None:
+    """CPU autocast runs LayerNorm in fp32 (as CUDA autocast does): diffusers' adaLN returns fp32 there."""
+    norm = normalization.AdaLayerNormZero(32).to(DEVICE, torch.bfloat16).eval()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    emb = torch.randn(2, 32, generator=gen).to(DEVICE, torch.bfloat16)
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        with torchpatches.disabled("adaln"):
+            ref = norm(x, emb=emb)
+        with force_tier(tier):
+            got = norm(x, emb=emb)
+    for g, r in zip(got, ref):
+        assert g.dtype == r.dtype and torch.equal(g, r)
+    assert not calls, dict(calls)
+
+
+@pytest.mark.parametrize("which", MODELS)
+def test_autocast_whole_model_equals_diffusers(which: str, calls: Dict[str, int]) -> None:
+    model, inputs = tiny(which, torch.bfloat16)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        ref = reverted(model, inputs)
+        with force_tier("torch"):
+            got = run(model, inputs)
+    assert got.dtype == ref.dtype and torch.equal(got, ref)
+    assert not calls, dict(calls)
+
+
+# ---- items 2, 3: globals the replaced code looks up at call time ----------------------------------
+
+
+def _identity_rope(x: torch.Tensor, freqs_cis: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return x  # a user's ablation: no rotary embedding
+
+
+def _half_layer_norm(real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return lambda *args, **kwargs: real(*args, **kwargs) * 0.5
+
+
+REBINDS = {
+    "flux1 apply_rotary_emb": ("flux1", transformer_flux, "apply_rotary_emb", lambda real: _identity_rope),
+    "flux2 apply_rotary_emb": ("flux2", transformer_flux2, "apply_rotary_emb", lambda real: _identity_rope),
+    "F.layer_norm": ("flux1", torch.nn.functional, "layer_norm", _half_layer_norm),
+    "F.rms_norm": ("flux2", torch.nn.functional, "rms_norm", _half_layer_norm),
+    "F.gelu": ("flux1", torch.nn.functional, "gelu", lambda real: lambda x, approximate="none": real(x)),
+    "torch.cat": ("flux1", torch, "cat", lambda real: lambda tensors, dim=0: real(list(tensors), dim=dim) + 1),
+}
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("case", sorted(REBINDS))
+def test_a_rebound_global_is_what_runs(case: str, tier: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PyTorch tier calls some of the same functions (so it may agree by accident); the kernels do not.
+    With the kernels the patterns the rebinding does not concern still run: fp32 kernels differ from torch's
+    ops in the last bits (reduction order, fused multiply-adds), a skipped user function by 1e-2 or more."""
+    which, owner, name, make = REBINDS[case]
+    model, inputs = tiny(which)
+    monkeypatch.setattr(owner, name, make(getattr(owner, name)))
+    ref = reverted(model, inputs)
+    with force_tier(tier), torchpatches.disabled("rope"):  # the rope kernel may differ by an fp32 fma
+        got = run(model, inputs)
+    if tier == "torch":
+        assert torch.equal(got, ref), case
+    else:
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_globals_put_back_fuse_again(monkeypatch: pytest.MonkeyPatch, calls: Dict[str, int]) -> None:
+    """The check is per call: with the user's function gone, the fused path runs again."""
+    model, inputs = tiny("flux1")
+    with monkeypatch.context() as m:
+        m.setattr(transformer_flux, "apply_rotary_emb", _identity_rope)
+        with force_tier("torch"):
+            run(model, inputs)
+    assert calls["qk_norm_rope"] == 0
+    with force_tier("torch"):
+        assert torch.equal(run(model, inputs), reverted(model, inputs))
+    assert calls["qk_norm_rope"] == 3
