@@ -9,56 +9,70 @@
 with nox already installed, plain ``nox`` does the same. Environments live in ``.nox/`` and are
 reused between runs (pip then only checks them); ``--reuse-venv=no`` rebuilds them.
 
+Sessions select tests by marker (``MATRIX``; markers in setup.cfg): the full suite under torch 2.11.0 and
+the newest release, the fast set (``-m "not slow"``) plus what differs by release under the others, the
+diffusers patches' per-release tests under older diffusers. Each prints its pytest time.
+
 Each session installs ``requirements/torch-<version>.txt`` together with ``-e .[test]`` in one pip
 resolve, so every torch brings the triton it declares; only what must be pinned is pinned there and
 in ``requirements/constraints.txt``. pip's output is shown when it fails (with the resolver's reason).
 """
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Dict
 
 import nox
 
 ROOT = Path(__file__).resolve().parent
 REQUIREMENTS = ROOT / "requirements"
 
-#: torch release -> why it is in the matrix. The default sessions are what CI runs.
+#: What a session's pytest selects (markers: setup.cfg). Every test runs somewhere in the matrix.
+FULL = "not once"  # the whole suite but what one session runs for all
+FAST = "not slow"  # what runs in seconds; a release's own tests are added by marker
+
+#: torch release -> (why it is in the matrix, pytest's -m selection). The default sessions are what CI runs.
 MATRIX = {
-    "2.11.0": "the release inductor_realize was written for (CUDA build, runs on the CPU)",
+    "2.11.0": ("the release inductor_realize was written for (CUDA build, runs on the CPU)", FULL),
     # The release besides 2.11 where inductor_realize applies; unlike 2.11 it keeps config overrides
     # per thread (ContextVar), so an applied Inductor patch meets that config model only here.
-    "2.12.1": "the other release with 2.11's realize rule (CUDA build, runs on the CPU)",
-    "2.13.0": "a release whose Inductor rule differs (inductor_realize skipped); CPU wheel",
-    "2.15.0": "the newest release (CUDA build from PyPI, runs on the CPU)",
+    "2.12.1": ("the other release with 2.11's realize rule (CUDA build, runs on the CPU)",
+               f"({FAST} and not once) or inductor_realize"),
+    # -OO recompiles torch's and diffusers' bytecode (half a minute): once, here, where torch is a local wheel.
+    "2.13.0": ("a release whose Inductor rule differs (inductor_realize skipped); CPU wheel", f"{FAST} or once"),
+    "2.15.0": ("the newest release (CUDA build from PyPI, runs on the CPU)", FULL),
 }
-#: Sessions that exist but are not run by default (none today; e.g. a release being evaluated).
+#: Sessions that exist but are not run by default (none today; e.g. a release being evaluated): as MATRIX.
 EXTRA: dict = {}
 
 #: diffusers releases tested besides 0.42.1 (which every tests-<torch> session runs), under torch 2.13.0:
-#: release -> (why, pytest arguments). Older releases install over the [test] extra's 0.42.1 pin.
+#: release -> (why, pytest runs: each a list of arguments). Only what differs by diffusers release runs
+#: there: the patches' fingerprints and sources, the graph-break sites they fix (slow cases included:
+#: marker by_diffusers), the doctor on a diffusers model. Older releases install over the [test] extra's pin.
+_PER_RELEASE = [
+    ["tests/patches/test_rope_patch.py", "tests/patches/test_compile_warnings.py", "-m", f"{FAST} or by_diffusers"],
+    ["tests/test_doctor.py", "-k", "flux", "-m", FAST],
+]
 DIFFUSERS = {
     "0.35.2": (
         "the oldest source rope accepts (fingerprint d9b2553000168b6b); FLUX.2 arrived in 0.36",
-        ["tests/patches/test_rope_patch.py", "-k", "not flux2"],
+        [["tests/patches/test_rope_patch.py", "-k", "not flux2", "-m", FAST]],
     ),
-    **{
-        version: (
-            why,
-            ["tests/patches/test_rope_patch.py", "tests/patches/test_compile_warnings.py",
-             "tests/patches/test_dynamo_warning_sites.py", "tests/test_doctor.py"],
-        )
-        for version, why in {
-            "0.40.0": "the oldest release compile_warnings accepts",
-            "0.41.0": "the newest release before 0.42",
-        }.items()
-    },
+    "0.40.0": ("the oldest release compile_warnings accepts", _PER_RELEASE),
+    "0.41.0": ("the newest release before 0.42", _PER_RELEASE),
 }
 
 nox.needs_version = ">=2024.10.9"  # --reuse-venv / nox.options.reuse_venv
 nox.options.reuse_venv = "yes"
+# uv installs a session's environment about 3x faster than pip here (torch 2.13.0's: 17 s against 51 s, no
+# caches, the same packages); where uv is not installed, virtualenv and pip.
+nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.error_on_missing_interpreters = True
 nox.options.sessions = [
     "packaging", *(f"tests-{version}" for version in MATRIX), *(f"diffusers-{version}" for version in DIFFUSERS),
@@ -67,18 +81,48 @@ nox.options.sessions = [
 
 
 def _pip_env() -> dict:
-    """pip's environment inside a session: our constraint file replaces one from pip's configuration.
+    """The installers' environment inside a session: our constraint file replaces one from pip's configuration.
 
     An environment variable outranks pip's configuration files, so a machine-wide constraint (this
     project's CI machine caps torch at 2.14.1 in /etc/xdg/pip) cannot stop the 2.15.0 session. A
-    PIP_CONSTRAINT the user set themselves is kept, next to ours.
+    PIP_CONSTRAINT the user set themselves is kept, next to ours. uv reads no pip configuration, so it is
+    given pip's find-links and indexes (where the torch 2.13.0 CPU wheel lies) and pip's choice of the best
+    version across indexes; a UV_* variable the user set wins.
     """
     ours = str(REQUIREMENTS / "constraints.txt")
     theirs = os.environ.get("PIP_CONSTRAINT", "").strip()
-    return {"PIP_CONSTRAINT": f"{theirs} {ours}".strip(), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env = {"PIP_CONSTRAINT": f"{theirs} {ours}".strip(), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+           "UV_CONSTRAINT": f"{os.environ.get('UV_CONSTRAINT', '')} {ours}".strip()}
+    pip = _pip_settings()
+    for uv_name, pip_name, separator in (("UV_FIND_LINKS", "find-links", ","), ("UV_INDEX_URL", "index-url", " "),
+                                         ("UV_EXTRA_INDEX_URL", "extra-index-url", " ")):
+        if pip.get(pip_name) and uv_name not in os.environ:
+            env[uv_name] = separator.join(pip[pip_name].split())
+    env.setdefault("UV_INDEX_STRATEGY", os.environ.get("UV_INDEX_STRATEGY", "unsafe-best-match"))
+    return env
 
 
-def _tests(session: nox.Session, version: str) -> None:
+@functools.lru_cache(maxsize=None)
+def _pip_settings() -> Dict[str, str]:
+    """pip's effective settings (configuration files, then PIP_* variables, which outrank them): name -> value."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+    files, variables = {}, {}
+    for line in listed.splitlines():
+        key, _, value = line.partition("=")
+        (variables if key.startswith(":env:") else files)[key.rsplit(".", 1)[-1]] = value.strip().strip("'\"")
+    return {**files, **variables}
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    """pytest with the session's arguments; its time is in CI's log (nox prints none per session)."""
+    started = time.monotonic()
+    try:
+        session.run("python", "-m", "pytest", *args, *session.posargs)
+    finally:
+        session.log(f"pytest {' '.join(args)}: {time.monotonic() - started:.0f} s")
+
+
+def _tests(session: nox.Session, version: str, selection: str) -> None:
     requirements = REQUIREMENTS / f"torch-{version}.txt"
     session.install("-r", str(requirements), "-e", ".[test]", env=_pip_env())
     session.run(
@@ -87,30 +131,31 @@ def _tests(session: nox.Session, version: str) -> None:
         "print(f'torch {torch.__version__}, triton {triton.__version__}, Python {sys.version.split()[0]}, '"
         "f'torchpatches from {torchpatches.__file__}')",
     )
-    session.run("python", "-m", "pytest", *session.posargs)
+    _pytest(session, "-m", selection)
 
 
-def _register(version: str, why: str, default: bool) -> None:
+def _register(version: str, why: str, selection: str, default: bool) -> None:
     def tests(session: nox.Session) -> None:
-        _tests(session, version)
+        _tests(session, version, selection)
 
-    tests.__doc__ = f"pytest under torch {version}: {why}"
+    tests.__doc__ = f"pytest -m '{selection}' under torch {version}: {why}"
     nox.session(name=f"tests-{version}", tags=["tests"] if default else ["extra"])(tests)
 
 
-for _version, _why in MATRIX.items():
-    _register(_version, _why, default=True)
-for _version, _why in EXTRA.items():
-    _register(_version, _why, default=False)
+for _version, (_why, _selection) in MATRIX.items():
+    _register(_version, _why, _selection, default=True)
+for _version, (_why, _selection) in EXTRA.items():
+    _register(_version, _why, _selection, default=False)
 
 
-def _register_diffusers(version: str, why: str, pytest_args: list) -> None:
+def _register_diffusers(version: str, why: str, pytest_runs: list) -> None:
     def diffusers(session: nox.Session) -> None:
         # No [test] extra (it pins diffusers 0.42.1): its test tools, and this diffusers release.
         session.install("-r", str(REQUIREMENTS / "torch-2.13.0.txt"), "-e", ".", "pytest>=7", "hypothesis>=6.80",
                         f"diffusers=={version}", env=_pip_env())
         session.run("python", "-c", "import diffusers, torch; print(f'diffusers {diffusers.__version__}, torch {torch.__version__}')")
-        session.run("python", "-m", "pytest", *pytest_args, *session.posargs)
+        for args in pytest_runs:
+            _pytest(session, *args)
 
     diffusers.__doc__ = f"the diffusers patches' tests under diffusers {version}, torch 2.13.0: {why}"
     nox.session(name=f"diffusers-{version}", tags=["diffusers"])(diffusers)
@@ -131,8 +176,7 @@ def peft_accelerate(session: nox.Session) -> None:
                     "-e", ".[test]", env=_pip_env())
     session.run("python", "-c", "import peft, accelerate, accelerate.hooks, torch; "
                 "print(f'peft {peft.__version__}, accelerate {accelerate.__version__}, torch {torch.__version__}')")
-    session.run("python", "-m", "pytest", "tests/patches/test_fused_patches.py", "-k", "lora or accelerate",
-                "-rs", "--strict-markers", *session.posargs)
+    _pytest(session, "tests/patches/test_fused_patches.py", "-k", "lora or accelerate", "-rs")
 
 
 @nox.session(python=False)

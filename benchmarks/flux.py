@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from torchpatches import testing
+from torchpatches import _harness as harness
 
 def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> List[float]:
     """Per-step milliseconds: CUDA events on a GPU, perf_counter after a synchronize elsewhere."""
@@ -81,7 +81,7 @@ def patch_state(variant: str) -> Iterator[None]:
         with torchpatches.only("rope"):
             yield
     elif variant == "op":
-        with torchpatches.only(), testing.replacing(rope_patch.PATCH, testing.rope_op_under_compile):
+        with torchpatches.only(), harness.replacing(rope_patch.PATCH, harness.rope_op_under_compile):
             yield
     else:
         raise ValueError(f"unknown variant {variant!r}")
@@ -239,7 +239,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     config_name = "flux1" if args.tiny else "flux1-dev"
-    config = testing.CONFIGS[config_name][1]
+    config = harness.CONFIGS[config_name][1]
     image_side, text_tokens = (128, 8) if args.tiny else (1024, 512)
     warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
     iters = args.iters if args.iters is not None else (3 if args.tiny else 20)
@@ -260,9 +260,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 json.dump(results, handle, indent=2)
 
     t0 = time.perf_counter()
-    model = testing.build_model(config_name, dtype=dtype, device=device)
+    model = harness.build_model(config_name, dtype=dtype, device=device)
     # As FluxPipeline passes them: VAE /8, then 2x2 packing -> a (side / 16)^2 token grid.
-    inputs = testing.tiny_inputs(config_name, dtype=dtype, device=device, side=image_side // 16,
+    inputs = harness.tiny_inputs(config_name, dtype=dtype, device=device, side=image_side // 16,
                                  text_tokens=text_tokens)
     results["build_s"] = time.perf_counter() - t0
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
@@ -319,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
         if reference is None:
             reference = out.float().clone()
-        row["rel_err_vs_eager_vanilla"] = testing.rel_err(out.float(), reference)
+        row["rel_err_vs_eager_vanilla"] = harness.rel_err(out.float(), reference)
         if mode == "eager" and variant != "vanilla":
             row["rope_tier_used"] = rope_op.last_tier()
         key = f"{mode}/{variant}"

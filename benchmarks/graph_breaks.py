@@ -8,7 +8,7 @@ with the `eager` backend (graph breaks do not depend on the backend).
     python benchmarks/graph_breaks.py --json out.json # and the rows as JSON
     python benchmarks/graph_breaks.py --model flux1   # one model
 
-The models and argument forms are torchpatches.testing.GRAPH_BREAK_CASES, which the test suite
+The models and argument forms are torchpatches._harness.GRAPH_BREAK_CASES, which the test suite
 (tests/patches/test_compile_warnings.py) asserts on, so the table and the tests measure the same programs.
 """
 from __future__ import annotations
@@ -21,12 +21,12 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from torchpatches import testing
+from torchpatches import _harness as harness
 
 
 def explain_counts(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """graphs / graph breaks from torch._dynamo.explain, and whether fullgraph=True compiles."""
-    report = testing.graph_report(model, **kwargs)
+    report = harness.graph_report(model, backend="eager", **kwargs)  # fullgraph by trying it
     return {
         "graphs": report.graphs,
         "breaks": report.breaks,
@@ -38,12 +38,12 @@ def explain_counts(model: torch.nn.Module, kwargs: Dict[str, Any]) -> Dict[str, 
     }
 
 
-def measure(case: testing.GraphBreakCase) -> Dict[str, Any]:
+def measure(case: harness.GraphBreakCase) -> Dict[str, Any]:
     import torchpatches
 
     model = case.build()
     row: Dict[str, Any] = {"model": case.model, "form": case.form}
-    with testing.quiet(), testing.attn_checks(case.attn_checks), torch.no_grad():
+    with harness.quiet(), harness.attn_checks(case.attn_checks), torch.no_grad():
         with torchpatches.disabled("compile_warnings"):
             row["before"] = explain_counts(model, case.inputs())
         row["after"] = explain_counts(model, case.inputs())
@@ -78,7 +78,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import diffusers
 
-    cases = [c for c in testing.GRAPH_BREAK_CASES if not args.model or c.model in args.model]
+    cases = [c for c in harness.GRAPH_BREAK_CASES if not args.model or c.model in args.model]
     rows = [measure(case) for case in cases]
     print(f"torch {torch.__version__}, diffusers {diffusers.__version__}, python {sys.version.split()[0]}")
     print(format_table(rows))

@@ -2,14 +2,14 @@
 
 Each program is compiled twice from scratch (``torch._dynamo.reset()``, FX-graph and AOTAutograd
 caches off), once with the patch reverted and once applied, and the generated code is measured with
-``torchpatches.testing.inductor_report`` (kernels, nests, loads, buffers, bytes: see
-``torchpatches.testing.InductorReport`` for what each counts).
+``torchpatches._harness.inductor_report`` (kernels, nests, loads, buffers, bytes: see
+``torchpatches._harness.InductorReport`` for what each counts).
 
     python benchmarks/inductor_realize.py                 # CPU, every program, a table
     python benchmarks/inductor_realize.py --json out.json --programs flux_tiny residual_chain
     python benchmarks/inductor_realize.py --device cuda --time   # GPU: also median step times
 
-The programs are ``torchpatches.testing.REALIZE_PROGRAMS``, the equivalence-test programs of
+The programs are ``torchpatches._harness.REALIZE_PROGRAMS``, the equivalence-test programs of
 tests/patches/test_inductor_realize.py, so the test and the table cannot drift apart.
 """
 from __future__ import annotations
@@ -25,24 +25,24 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from torchpatches import testing
+from torchpatches import _harness as harness
 
 PATCH_NAME = "inductor_realize"
 
 
-def counts(report: testing.InductorReport) -> Dict[str, int]:
+def counts(report: harness.InductorReport) -> Dict[str, int]:
     return {name: getattr(report, name) for name in ("kernels", "nests", "loads", "buffers", "bytes")}
 
 
-def measure_both(program: testing.Program, device: torch.device) -> Tuple[testing.InductorReport, testing.InductorReport]:
+def measure_both(program: harness.Program, device: torch.device) -> Tuple[harness.InductorReport, harness.InductorReport]:
     """(original, patched) for one program, this patch alone in both."""
     import torchpatches
 
     fn, args = program.build(device)
     with torchpatches.only():
-        original = testing.inductor_report(fn, *args)
+        original = harness.inductor_report(fn, *args)
     with torchpatches.only(PATCH_NAME):
-        patched = testing.inductor_report(fn, *args)
+        patched = harness.inductor_report(fn, *args)
     return original, patched
 
 
@@ -65,7 +65,7 @@ def _median_step_ms(fn: Callable[..., Any], args: Tuple[Any, ...], device: torch
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--device", default="cpu")
-    programs = testing.REALIZE_PROGRAMS
+    programs = harness.REALIZE_PROGRAMS
     parser.add_argument("--programs", nargs="*", default=list(programs), choices=list(programs))
     parser.add_argument("--time", action="store_true", help="also time compiled steps (meaningful on a GPU)")
     parser.add_argument("--json", help="write the results to this file")

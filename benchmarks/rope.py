@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from torchpatches import testing  # noqa: E402
+from torchpatches import _harness as harness  # noqa: E402
 from torchpatches.ops import rope  # noqa: E402
 from torchpatches.ops import _rope_triton  # noqa: E402
 
@@ -115,13 +115,13 @@ def check_one(tier, shape_q, hk, dtype, seq_dim, rotary_dim, interleaved, form, 
     q, k, a, b, pos = make_inputs(shape_q, hk, dtype, seq_dim, rotary_dim, interleaved, form, gen)
     sd = seq_dim if q.dim() == 4 else 0
     if form == "per_token":
-        rq = testing.rope_reference(q, a, b, interleaved=interleaved, seq_dim=sd)
-        rk = testing.rope_reference(k, a, b, interleaved=interleaved, seq_dim=sd)
+        rq = harness.rope_reference(q, a, b, interleaved=interleaved, seq_dim=sd)
+        rk = harness.rope_reference(k, a, b, interleaved=interleaved, seq_dim=sd)
     else:
         h = rotary_dim // 2
         cos, sin = a[:, :h], a[:, h:]
-        rq = testing.rope_reference(q, cos, sin, pos, interleaved=interleaved, cos_half=True, seq_dim=sd)
-        rk = testing.rope_reference(k, cos, sin, pos, interleaved=interleaved, cos_half=True, seq_dim=sd)
+        rq = harness.rope_reference(q, cos, sin, pos, interleaved=interleaved, cos_half=True, seq_dim=sd)
+        rk = harness.rope_reference(k, cos, sin, pos, interleaved=interleaved, cos_half=True, seq_dim=sd)
     if inplace:
         qo, ko = q.clone(), k.clone()
         if form == "per_token":
@@ -136,7 +136,7 @@ def check_one(tier, shape_q, hk, dtype, seq_dim, rotary_dim, interleaved, form, 
         else:
             qo, ko = rope.apply_rope_qk_with_cache(q, k, a, pos, interleaved=interleaved,
                                                    sequence_dim=sd, tier=tier)
-    e = max(testing.rel_err(qo, rq), testing.rel_err(ko, rk))
+    e = max(harness.rel_err(qo, rq), harness.rel_err(ko, rk))
     return e, rope.last_tier()
 
 
@@ -184,14 +184,14 @@ def run_checks(results, only_tiers=None):
     pos = torch.randint(0, T + 5, (T,), device=DEV, generator=gen)
     for tier in tiers:
         cos, sin = cache[:, :D // 2], cache[:, D // 2:]
-        rq = testing.rope_reference(q, cos, sin, pos, interleaved=False, cos_half=True, seq_dim=0)
-        rk = testing.rope_reference(k, cos, sin, pos, interleaved=False, cos_half=True, seq_dim=0)
+        rq = harness.rope_reference(q, cos, sin, pos, interleaved=False, cos_half=True, seq_dim=0)
+        rk = harness.rope_reference(k, cos, sin, pos, interleaved=False, cos_half=True, seq_dim=0)
         v = qkv[:, (HQ + HK) * D:].clone()
         qkv2 = qkv.clone()
         qq = qkv2[:, : HQ * D].view(T, HQ, D)
         kk = qkv2[:, HQ * D:(HQ + HK) * D].view(T, HK, D)
         rope.apply_rope_qk_with_cache_inplace(qq, kk, cache, pos, interleaved=False, tier=tier)
-        e = max(testing.rel_err(qq, rq), testing.rel_err(kk, rk))
+        e = max(harness.rel_err(qq, rq), harness.rel_err(kk, rk))
         untouched = torch.equal(qkv2[:, (HQ + HK) * D:], v)
         ok = e <= TOL[torch.bfloat16] and untouched
         fails += not ok
@@ -225,12 +225,12 @@ def run_compile_checks(results):
         for mode in ("default", "reduce-overhead", "max-autotune-no-cudagraphs"):
             torch._dynamo.reset()
             try:
-                breaks = testing.graph_report(fn, q, k, cos, sin).breaks
+                breaks = harness.graph_report(fn, q, k, cos, sin).breaks
                 cf = torch.compile(fn, fullgraph=True, mode=None if mode == "default" else mode)
                 for _ in range(3):  # cudagraph trees record on the 2nd/3rd call
                     got = cf(q, k, cos, sin)
                 torch.cuda.synchronize()
-                e = max(testing.rel_err(got[0], ref[0].double()), testing.rel_err(got[1], ref[1].double()))
+                e = max(harness.rel_err(got[0], ref[0].double()), harness.rel_err(got[1], ref[1].double()))
                 ok = breaks == 0 and e <= 1e-2 and rope.last_tier() == "triton"
             except Exception as ex:
                 breaks, e, ok = None, repr(ex)[:300], False

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 from hypothesis import settings, strategies as st
@@ -17,6 +15,8 @@ from torchpatches import _gates
 from torchpatches._declare import Patch, Target
 from torchpatches._registry import Registry
 from torchpatches._status import PatchState
+
+from _fresh import run_forked
 
 SOURCE = """
 def one():
@@ -199,79 +199,81 @@ def test_any_order_of_operations_restores_originals(fake):
     )
 
 
-# ---- real package, fresh processes ------------------------------------------------------------
+# ---- real package, first imports --------------------------------------------------------------
+
+_NO_HEAVY = """
+    import sys
+    import torch
+    before = set(sys.modules)
+    import torchpatches
+    heavy = ["diffusers", "triton", "flashinfer", "torch._inductor.ir", "torch._dynamo"]
+    print([name for name in heavy if name in sys.modules and name not in before])
+"""
+_TWICE = """
+    import importlib, torchpatches
+    first = {name: (s.state, s.reason) for name, s in torchpatches.status().items()}
+    import torchpatches as again
+    torchpatches.apply()
+    second = {name: (s.state, s.reason) for name, s in torchpatches.status().items()}
+    assert again is torchpatches and first == second, (first, second)
+    print("same")
+"""
+_STATES = "import torchpatches; print({n: s.state.value for n, s in torchpatches.status().items()})"
+_COUNT = "import torchpatches; print(len(torchpatches.status()))"
+DISABLE_ALL = ["all", "ALL", " rope , inductor_realize,compile_warnings adaln,qk_norm_rope, gate_residual,gelu_gemm,SWIGLU "]
+BAD_VALUES = ["ropee", "\u00e9\u00e9,;;", "x" * 10000]
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess:
-    environment = {**os.environ, **env}
-    environment.pop("TORCHPATCHES_DISABLE", None) if "TORCHPATCHES_DISABLE" not in env else None
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environment, timeout=300
-    )
+@pytest.fixture(scope="module")
+def first_imports(tmp_path_factory):
+    """Every case below as a first ``import torchpatches`` (forks of one child process that imported torch)."""
+    cases = {
+        "no heavy": (_NO_HEAVY, {}),
+        "twice": (_TWICE, {}),
+        **{("disable", value): (_STATES, {"TORCHPATCHES_DISABLE": value}) for value in DISABLE_ALL},
+        **{("bad", value): (_COUNT, {"TORCHPATCHES_DISABLE": value}) for value in BAD_VALUES},
+    }
+    results = run_forked(list(cases.values()), tmp_path_factory.mktemp("first-imports"))
+    return dict(zip(cases, results))
 
 
-def test_import_loads_no_heavy_or_optional_module():
-    result = _python(
-        """
-        import sys
-        import torch
-        before = set(sys.modules)
-        import torchpatches
-        heavy = ["diffusers", "triton", "flashinfer", "torch._inductor.ir", "torch._dynamo"]
-        print([name for name in heavy if name in sys.modules and name not in before])
-        """
-    )
+def test_import_loads_no_heavy_or_optional_module(first_imports):
+    result = first_imports["no heavy"]
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
 
-def test_importing_twice_changes_nothing():
-    result = _python(
-        """
-        import importlib, torchpatches
-        first = {name: (s.state, s.reason) for name, s in torchpatches.status().items()}
-        import torchpatches as again
-        torchpatches.apply()
-        second = {name: (s.state, s.reason) for name, s in torchpatches.status().items()}
-        assert again is torchpatches and first == second, (first, second)
-        print("same")
-        """
-    )
+def test_importing_twice_changes_nothing(first_imports):
+    result = first_imports["twice"]
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "same"
 
 
-@pytest.mark.parametrize(
-    "value",
-    ["all", "ALL", " rope , inductor_realize,compile_warnings adaln,qk_norm_rope, gate_residual,gelu_gemm,SWIGLU "],
-)
-def test_environment_disables_everything_before_it_applies(value):
-    result = _python(
-        "import torchpatches; print({n: s.state.value for n, s in torchpatches.status().items()})",
-        TORCHPATCHES_DISABLE=value,
-    )
+@pytest.mark.parametrize("value", DISABLE_ALL)
+def test_environment_disables_everything_before_it_applies(value, first_imports):
+    result = first_imports[("disable", value)]
     assert result.returncode == 0, result.stderr
     assert set(eval(result.stdout).values()) == {"disabled"}
 
 
-@pytest.mark.parametrize("value", ["ropee", "\u00e9\u00e9,;;", "x" * 10000])
-def test_bad_environment_values_warn_and_import(value):
-    result = _python("import torchpatches; print(len(torchpatches.status()))", TORCHPATCHES_DISABLE=value)
+@pytest.mark.parametrize("value", BAD_VALUES)
+def test_bad_environment_values_warn_and_import(value, first_imports):
+    result = first_imports[("bad", value)]
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(len(torchpatches.patch_names()))
     assert "unknown patch" in result.stderr and "known patches" in result.stderr
 
 
-def test_cli_prints_the_table_and_json():
+def test_cli_prints_the_table_and_json(capsys):
+    """``python -m torchpatches`` in a process of its own (the entry point); ``--json`` through ``main``."""
+    from torchpatches import __main__ as cli
+
     table = subprocess.run([sys.executable, "-m", "torchpatches"], capture_output=True, text=True, timeout=300)
     assert table.stdout.splitlines()[0].split() == ["patch", "state", "reason"]
     for name in torchpatches.patch_names():
         assert name in table.stdout
-    data = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "torchpatches", "--json"], capture_output=True, text=True, timeout=300
-        ).stdout
-    )
+    assert cli.main(["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
     assert set(data) == set(torchpatches.patch_names())
     assert all(entry["state"] != "failed" for entry in data.values()), data
     assert table.returncode == 0

@@ -8,19 +8,19 @@ from typing import Iterator, List
 import pytest
 import torch
 
-from torchpatches import testing
+from torchpatches import _harness as harness
 from torchpatches.compile import OnceLogger, constant_query, reset_once, warn_once, warning_once
 
 LOGGER_NAME = "torchpatches.tests.compile"
 
 
 @pytest.fixture
-def records() -> Iterator[testing.LogRecords]:
+def records() -> Iterator[harness.LogRecords]:
     """Everything logged on LOGGER_NAME (handler on the logger itself: no propagation needed)."""
     reset_once()
     torch._dynamo.reset()
     try:
-        with testing.capture_logs(LOGGER_NAME, level=logging.DEBUG) as handler:
+        with harness.capture_logs(LOGGER_NAME, level=logging.DEBUG) as handler:
             yield handler
     finally:
         torch._dynamo.reset()
@@ -28,7 +28,7 @@ def records() -> Iterator[testing.LogRecords]:
 
 
 def _explain(fn, *args):
-    report = testing.graph_report(fn, *args)
+    report = harness.graph_report(fn, *args)
     return report.graphs, report.breaks
 
 
@@ -50,7 +50,7 @@ def _model_with_warnings(x: torch.Tensor) -> torch.Tensor:
 # ---- eager ---------------------------------------------------------------------------------------
 
 
-def test_warning_once_eager_same_message_once_different_messages_each(records: testing.LogRecords) -> None:
+def test_warning_once_eager_same_message_once_different_messages_each(records: harness.LogRecords) -> None:
     logger = logging.getLogger(LOGGER_NAME)
     for _ in range(3):
         warning_once(logger, "same %s", "text")
@@ -61,7 +61,7 @@ def test_warning_once_eager_same_message_once_different_messages_each(records: t
     assert all(r.funcName == "test_warning_once_eager_same_message_once_different_messages_each" for r in records.records)
 
 
-def test_warning_once_respects_level_and_does_not_consume_disabled_messages(records: testing.LogRecords) -> None:
+def test_warning_once_respects_level_and_does_not_consume_disabled_messages(records: harness.LogRecords) -> None:
     logging.getLogger(LOGGER_NAME).setLevel(logging.ERROR)
     warning_once(LOGGER_NAME, "hidden")
     logging.getLogger(LOGGER_NAME).setLevel(logging.DEBUG)
@@ -69,7 +69,7 @@ def test_warning_once_respects_level_and_does_not_consume_disabled_messages(reco
     assert records.messages == ["hidden"]
 
 
-def test_warn_once_eager(records: testing.LogRecords) -> None:
+def test_warn_once_eager(records: harness.LogRecords) -> None:
     with pytest.warns(FutureWarning, match="^deprecated thing$") as caught:
         for _ in range(3):
             warn_once("deprecated thing", FutureWarning, stacklevel=1)
@@ -79,7 +79,7 @@ def test_warn_once_eager(records: testing.LogRecords) -> None:
         warn_once("n=%d", args=(3,))
 
 
-def test_once_logger_eager(records: testing.LogRecords) -> None:
+def test_once_logger_eager(records: harness.LogRecords) -> None:
     for _ in range(2):
         once_logger.warning("w")
         once_logger.info("i %d", 1)  # info keeps the logger's every-call behaviour in eager
@@ -88,7 +88,7 @@ def test_once_logger_eager(records: testing.LogRecords) -> None:
     assert records.records[0].funcName == "test_once_logger_eager"
 
 
-def test_percent_without_args_and_records_keep_msg_and_args(records: testing.LogRecords) -> None:
+def test_percent_without_args_and_records_keep_msg_and_args(records: harness.LogRecords) -> None:
     warning_once(LOGGER_NAME, "100% sure")
     warning_once(LOGGER_NAME, "%s and %d", "a", 2)
     assert records.messages == ["100% sure", "a and 2"]
@@ -98,7 +98,7 @@ def test_percent_without_args_and_records_keep_msg_and_args(records: testing.Log
 # ---- under torch.compile ---------------------------------------------------------------------------
 
 
-def test_no_graph_break_and_fullgraph(records: testing.LogRecords) -> None:
+def test_no_graph_break_and_fullgraph(records: harness.LogRecords) -> None:
     assert _explain(_model_with_warnings, torch.randn(4)) == (1, 0)
     reset_once()
     records.records.clear()
@@ -113,7 +113,7 @@ def test_no_graph_break_and_fullgraph(records: testing.LogRecords) -> None:
     assert records.records[0].funcName == "_model_with_warnings" and records.records[0].pathname == __file__
 
 
-def test_emitted_once_at_trace_time_not_per_call_and_no_recompile(records: testing.LogRecords) -> None:
+def test_emitted_once_at_trace_time_not_per_call_and_no_recompile(records: harness.LogRecords) -> None:
     compiled = _compiled(_model_with_warnings)
     with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(error_on_recompile=True):
         warnings.simplefilter("always")
@@ -123,7 +123,7 @@ def test_emitted_once_at_trace_time_not_per_call_and_no_recompile(records: testi
     assert len(caught) == 1
 
 
-def test_eager_then_compile_does_not_repeat(records: testing.LogRecords) -> None:
+def test_eager_then_compile_does_not_repeat(records: harness.LogRecords) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _model_with_warnings(torch.randn(4))
@@ -132,7 +132,7 @@ def test_eager_then_compile_does_not_repeat(records: testing.LogRecords) -> None
     assert len(caught) == 1
 
 
-def test_dynamic_shapes_format_the_traced_value_without_specializing(records: testing.LogRecords) -> None:
+def test_dynamic_shapes_format_the_traced_value_without_specializing(records: harness.LogRecords) -> None:
     compiled = _compiled(_model_with_warnings, dynamic=True)
     with warnings.catch_warnings(record=True), torch._dynamo.config.patch(error_on_recompile=True):
         warnings.simplefilter("always")
@@ -141,7 +141,7 @@ def test_dynamic_shapes_format_the_traced_value_without_specializing(records: te
     assert records.messages == ["x has 5 rows and a name", "plain message"]
 
 
-def test_raw_logger_object_under_compile(records: testing.LogRecords) -> None:
+def test_raw_logger_object_under_compile(records: harness.LogRecords) -> None:
     logger = logging.getLogger(LOGGER_NAME)
 
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +162,7 @@ def _outer(x: torch.Tensor) -> torch.Tensor:
     return _inner_site(x) * 2
 
 
-def test_trace_time_location_is_the_calling_line_in_nested_frames(records: testing.LogRecords) -> None:
+def test_trace_time_location_is_the_calling_line_in_nested_frames(records: harness.LogRecords) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _compiled(_outer)(torch.ones(2))
@@ -170,7 +170,7 @@ def test_trace_time_location_is_the_calling_line_in_nested_frames(records: testi
     assert caught[0].filename == __file__ and caught[0].lineno == _inner_site.__code__.co_firstlineno + 2
 
 
-def test_once_logger_warning_with_logging_kwargs(records: testing.LogRecords) -> None:
+def test_once_logger_warning_with_logging_kwargs(records: harness.LogRecords) -> None:
     for _ in range(2):
         once_logger.warning("with extra", extra={"k": 1})
     assert records.messages == ["with extra"] and records.records[0].k == 1

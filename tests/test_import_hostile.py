@@ -11,7 +11,7 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Dict
 
 import pytest
 
@@ -19,6 +19,8 @@ import torchpatches
 from torchpatches import _gates
 from torchpatches._declare import Patch, Target
 from torchpatches._registry import PatchState, Registry
+
+from _fresh import Result, run_forked
 
 REPO = Path(__file__).resolve().parents[1]
 GREET = "def greet(name):\n    return 'hello ' + name\n"
@@ -28,6 +30,18 @@ def _run(code: str, *python_flags: str, **env_vars: str) -> subprocess.Completed
     env = dict(os.environ, PYTHONPATH=str(REPO), **env_vars)
     return subprocess.run([sys.executable, *python_flags, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def first_imports(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Result]:
+    """The cases below that need a first ``import torchpatches`` but no interpreter flag: forks of one child."""
+    cases = {
+        "filterwarnings error": (_FILTERWARNINGS_ERROR, {"TORCHPATCHES_DISABLE": "rope,bogus_name"}),
+        "policy finder": (_POLICY_FINDER, {}),
+        **{f"stub {kind}": (_STUBBED_DIFFUSERS, {"TP_STUB_KIND": kind}) for kind in STUB_KINDS},
+        "builtin loaders": (_BUILTIN_LOADERS, {}),
+    }
+    return dict(zip(cases, run_forked(list(cases.values()), tmp_path_factory.mktemp("first-imports"))))
 
 
 def _loud(original: Callable[[str], str]) -> Callable[[str], str]:
@@ -57,16 +71,16 @@ def test_unknown_disable_name_under_warnings_as_errors_does_not_break_import() -
     assert "bogus_name" in result.stderr  # still said, through the logger, when warnings raise
 
 
-def test_unknown_disable_name_under_pytest_filterwarnings_error() -> None:
-    result = _run(
-        """
-        import warnings
-        warnings.simplefilter("error")   # what pytest's filterwarnings = error does
-        import torchpatches
-        print(torchpatches.status()["rope"].state.value)
-        """,
-        TORCHPATCHES_DISABLE="rope,bogus_name",
-    )
+_FILTERWARNINGS_ERROR = """
+    import warnings
+    warnings.simplefilter("error")   # what pytest's filterwarnings = error does
+    import torchpatches
+    print(torchpatches.status()["rope"].state.value)
+"""
+
+
+def test_unknown_disable_name_under_pytest_filterwarnings_error(first_imports: Dict[str, Result]) -> None:
+    result = first_imports["filterwarnings error"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["disabled"]
 
@@ -74,22 +88,23 @@ def test_unknown_disable_name_under_pytest_filterwarnings_error() -> None:
 # ---- import-policy finders ----------------------------------------------------------------------
 
 
-def test_a_finder_that_raises_something_other_than_import_error() -> None:
-    result = _run(
-        """
-        import sys
-        import torch  # torch >= 2.15 asks for triton while it imports: a policy blocking it breaks torch itself
-        class Policy:
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("diffusers", "triton", "flashinfer"):
-                    raise PermissionError("blocked by policy: " + name)
-                return None
-        sys.meta_path.insert(0, Policy())
-        import torchpatches
-        status = torchpatches.status()
-        print(status["rope"].state.value, "|", status["rope"].reason)
-        """
-    )
+_POLICY_FINDER = """
+    import sys
+    import torch  # torch >= 2.15 asks for triton while it imports: a policy blocking it breaks torch itself
+    class Policy:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("diffusers", "triton", "flashinfer"):
+                raise PermissionError("blocked by policy: " + name)
+            return None
+    sys.meta_path.insert(0, Policy())
+    import torchpatches
+    status = torchpatches.status()
+    print(status["rope"].state.value, "|", status["rope"].reason)
+"""
+
+
+def test_a_finder_that_raises_something_other_than_import_error(first_imports: Dict[str, Result]) -> None:
+    result = first_imports["policy finder"]
     assert result.returncode == 0, result.stderr[-3000:]
     state, reason = result.stdout.strip().split(" | ")
     assert state == "skipped"
@@ -174,38 +189,41 @@ def test_target_module_put_in_sys_modules_by_hand(monkeypatch: pytest.MonkeyPatc
     assert "tp_stubbed:greet" in status.reason
 
 
-@pytest.mark.parametrize("kind", ["magicmock", "lazy_getattr_raises", "types_stub"])
-def test_stubbed_diffusers_modules(kind: str) -> None:
-    result = _run(
-        f"""
-        import sys, types, unittest.mock
-        kind = {kind!r}
-        if kind == "magicmock":
-            for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
-                sys.modules[name] = unittest.mock.MagicMock(name=name)
-        elif kind == "lazy_getattr_raises":
-            class Lazy(types.ModuleType):  # like diffusers' _LazyModule when a submodule fails to import
-                def __getattr__(self, attribute):
-                    if attribute.startswith("__"):
-                        raise AttributeError(attribute)
-                    raise RuntimeError("lazy import of " + attribute + " failed")
-            for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
-                sys.modules[name] = Lazy(name)
-        else:
-            for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
-                sys.modules[name] = types.ModuleType(name)
-            sys.modules["diffusers.models.embeddings"].apply_rotary_emb = lambda *a, **k: None
-        import torchpatches
-        status = torchpatches.status()["rope"]
-        print(status.state.value, "|", status.reason)
-        """
-    )
+_STUBBED_DIFFUSERS = """
+    import os, sys, types, unittest.mock
+    kind = os.environ['TP_STUB_KIND']
+    if kind == "magicmock":
+        for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
+            sys.modules[name] = unittest.mock.MagicMock(name=name)
+    elif kind == "lazy_getattr_raises":
+        class Lazy(types.ModuleType):  # like diffusers' _LazyModule when a submodule fails to import
+            def __getattr__(self, attribute):
+                if attribute.startswith("__"):
+                    raise AttributeError(attribute)
+                raise RuntimeError("lazy import of " + attribute + " failed")
+        for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
+            sys.modules[name] = Lazy(name)
+    else:
+        for name in ("diffusers", "diffusers.models", "diffusers.models.embeddings"):
+            sys.modules[name] = types.ModuleType(name)
+        sys.modules["diffusers.models.embeddings"].apply_rotary_emb = lambda *a, **k: None
+    import torchpatches
+    status = torchpatches.status()["rope"]
+    print(status.state.value, "|", status.reason)
+"""
+STUB_KINDS = ["magicmock", "lazy_getattr_raises", "types_stub"]
+
+
+@pytest.mark.parametrize("kind", STUB_KINDS)
+def test_stubbed_diffusers_modules(kind: str, first_imports: Dict[str, Result]) -> None:
+    result = first_imports[f"stub {kind}"]
     assert result.returncode == 0, result.stderr[-3000:]
     state, reason = result.stdout.strip().split(" | ")
     assert state == "skipped", reason
     assert "diffusers" in reason
 
 
+@pytest.mark.once  # -OO recompiles torch's and diffusers' bytecode (no .opt-2.pyc yet): 15-28 s
 def test_optimized_and_stripped_docstrings() -> None:
     result = _run(
         """
@@ -274,20 +292,21 @@ def test_declarations_with_wrong_types_raise_value_error(make: Callable[[], obje
         make()
 
 
-def test_builtin_module_loaders_are_never_hooked() -> None:
+_BUILTIN_LOADERS = """
+    import sys, importlib.machinery as m
+    from torchpatches._import_hooks import when_imported
+    names = [n for n in sys.builtin_module_names if n not in sys.modules and not n.startswith("_frozen")]
+    name = names[0]
+    before = m.BuiltinImporter.__dict__["exec_module"]
+    seen = []
+    when_imported(name, seen.append)
+    __import__(name)
+    print(m.BuiltinImporter.__dict__["exec_module"] is before, name in sys.modules)
+"""
+
+
+def test_builtin_module_loaders_are_never_hooked(first_imports: Dict[str, Result]) -> None:
     """BuiltinImporter is a class used as a loader: hooking it would change every builtin import."""
-    result = _run(
-        """
-        import sys, importlib.machinery as m
-        from torchpatches._import_hooks import when_imported
-        names = [n for n in sys.builtin_module_names if n not in sys.modules and not n.startswith("_frozen")]
-        name = names[0]
-        before = m.BuiltinImporter.__dict__["exec_module"]
-        seen = []
-        when_imported(name, seen.append)
-        __import__(name)
-        print(m.BuiltinImporter.__dict__["exec_module"] is before, name in sys.modules)
-        """
-    )
+    result = first_imports["builtin loaders"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["True", "True"]

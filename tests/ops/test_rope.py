@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchpatches
-from torchpatches import testing
+from torchpatches import _harness as testing
 from torchpatches.ops import _rope_tiers, rope
 
 try:  # the Triton tier needs triton (the interpreter is part of it)
@@ -372,6 +372,7 @@ def test_bad_cache_input_raises_value_error(name):
 # ------------------------------------------------------------------------- tiers and warnings
 
 
+@needs_triton  # without triton the Triton tier's reason is that, not TRITON_INTERPRET
 def test_tier_selection_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     tiers = rope.describe_tiers("cpu")
@@ -469,6 +470,7 @@ def fake_flashinfer(monkeypatch):
     _rope_tiers.reset_caches()
 
 
+@needs_triton  # without triton the CUDA fallback warns (about the missing tier)
 def test_flashinfer_is_chosen_on_cuda_when_it_fits(fake_flashinfer):
     assert rope.describe_tiers("cuda")["flashinfer"][0]
     assert not rope.describe_tiers("cpu")["flashinfer"][0]

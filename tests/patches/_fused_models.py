@@ -17,7 +17,7 @@ DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))
 
 def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """The harness's ``flux1-fused`` / ``flux2-fused`` (1 double + 2 single blocks), 16 image + 8 text tokens."""
-    from torchpatches.testing import build_model, tiny_inputs
+    from torchpatches._harness import build_model, tiny_inputs
 
     config = f"{name}-fused"
     model = build_model(config, dtype=dtype, device=DEVICE)

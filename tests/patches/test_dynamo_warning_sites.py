@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
-from typing import Iterator
+from typing import Dict, Iterator
 
 import pytest
 import torch
@@ -22,6 +19,8 @@ pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
 from torchpatches.patches.compile_warnings import _probe as sites  # noqa: E402
+
+from _fresh import Result, run_forked  # noqa: E402
 
 
 @pytest.fixture
@@ -67,20 +66,20 @@ def test_patch_applies_where_torch_still_breaks() -> None:
     assert status.state.value == "applied", status.reason
 
 
-_SUBPROCESS = textwrap.dedent(
+_FIRST_IMPORT = textwrap.dedent(
     """
-    import json, logging, sys, warnings
+    import json, logging, os, warnings
     import torch
-    if sys.argv[1] == "ignore":
+    if os.environ["TP_DYNAMO_CONFIG"] == "ignore":
         torch._dynamo.config.ignore_logging_functions.update({logging.Logger.warning, warnings.warn})
     import torchpatches
     from diffusers.models.transformers import transformer_flux
-    from torchpatches import testing
+    from torchpatches import _harness as harness
     status = torchpatches.status()["compile_warnings"]
-    case = next(c for c in testing.GRAPH_BREAK_CASES if (c.model, c.form) == ("flux1", "3-D ids"))
+    case = next(c for c in harness.GRAPH_BREAK_CASES if (c.model, c.form) == ("flux1", "3-D ids"))
     model = case.build()
     try:
-        with torch.no_grad(), testing.quiet():
+        with torch.no_grad(), harness.quiet():
             torch.compile(model, backend="eager", fullgraph=True)(**case.inputs())
         fullgraph = True
     except Exception:
@@ -92,12 +91,21 @@ _SUBPROCESS = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("config", ["ignore", "default"])
-def test_skipped_where_torch_traces_the_sites_itself(config: str) -> None:
-    """A fresh process: with Dynamo told to trace (drop) both call forms, the patch is skipped and the
+CONFIGS = ["ignore", "default"]
+
+
+@pytest.fixture(scope="module")
+def first_imports(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Result]:
+    """Each configuration set before a first ``import torchpatches`` (forks of one child that imported torch)."""
+    cases = [(_FIRST_IMPORT, {"TP_DYNAMO_CONFIG": config}) for config in CONFIGS]
+    return dict(zip(CONFIGS, run_forked(cases, tmp_path_factory.mktemp("dynamo-config"), "import torch._dynamo")))
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_skipped_where_torch_traces_the_sites_itself(config: str, first_imports: Dict[str, Result]) -> None:
+    """A first import: with Dynamo told to trace (drop) both call forms, the patch is skipped and the
     unpatched FLUX forward with deprecated 3-D ids compiles with ``fullgraph=True``; by default it applies."""
-    result = subprocess.run([sys.executable, "-c", _SUBPROCESS, config], capture_output=True, text=True,
-                            env=dict(os.environ), timeout=300)
+    result = first_imports[config]
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     if config == "ignore":

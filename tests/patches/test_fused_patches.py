@@ -27,7 +27,7 @@ from diffusers.models.transformers import transformer_flux, transformer_flux2  #
 from torchpatches import _gates  # noqa: E402
 from torchpatches.ops._tiers import force_tier  # noqa: E402
 from torchpatches.patches import gate_residual  # noqa: E402
-from torchpatches.testing import count_kernels  # noqa: E402
+from torchpatches._harness import count_kernels  # noqa: E402
 
 VERIFIED = "0.42.1"
 

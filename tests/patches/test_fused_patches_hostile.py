@@ -2,7 +2,7 @@
 and user subclasses of patched diffusers classes. The fused path must never drop a gradient, and must
 never skip code a user overrode.
 
-Tiny FLUX.1 / FLUX.2 from ``torchpatches.testing`` on CPU; a forced PyTorch tier stands in for the GPU
+Tiny FLUX.1 / FLUX.2 from ``torchpatches._harness`` on CPU; a forced PyTorch tier stands in for the GPU
 (op call counters show which path ran).
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Which tests run is decided by the running torch's original ``StorageBox.should_r
 the way the patch itself decides: its fingerprint in the verified set (torch 2.11.0, 2.12.1) runs
 the equivalence tests; any other (2.13.0, 2.14.1, 2.15.0, ...) runs the skip tests.
 
-The programs and the measuring code are torchpatches.testing's (REALIZE_PROGRAMS, inductor_report),
+The programs and the measuring code are torchpatches._harness's (REALIZE_PROGRAMS, inductor_report),
 which benchmarks/inductor_realize.py uses too, so the benchmark table and these assertions are about
 the same programs.
 """
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import torchpatches
-from torchpatches import _cache_key, testing
+from torchpatches import _cache_key, _harness as harness
 from torchpatches._gates import fingerprint, release_version
 from torchpatches._slot import MARK_PATCH
 from torchpatches._cache_key import cache_token
@@ -37,6 +37,9 @@ from torchpatches.patches.inductor_realize import (
     PATCH,
     materialize_is_cheaper,
 )
+
+# The fast sessions of torch releases where the patch applies (2.12) select these by this marker.
+pytestmark = pytest.mark.inductor_realize
 
 NAME = "inductor_realize"
 TARGET = "torch._inductor.ir:StorageBox.should_realize_on_reuse"
@@ -362,7 +365,7 @@ def test_fallback_counts_dependencies_where_the_original_counts_loads(
 # ---- equivalence: compile before/after -------------------------------------------------------
 
 # Recorded on torch 2.11.0+cu130, CPU Inductor (kernels, nests, buffers, bytes); see
-# torchpatches.testing.InductorReport for what each counts. ``loads`` depends on the CPU's
+# torchpatches._harness.InductorReport for what each counts. ``loads`` depends on the CPU's
 # vector ISA (tail loops), so only its direction is asserted.
 EXPECTED: Dict[str, Dict[str, Tuple[int, int, int, int]]] = {
     "residual_chain": {"original": (1, 1, 9, 655360), "patched": (1, 2, 10, 786432)},
@@ -395,13 +398,13 @@ def _key(measurement: Any) -> Tuple[int, int, int, int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("program", list(EXPECTED))
 def test_equivalence(program: str, only_this_patch: Path) -> None:
-    fn, args = testing.REALIZE_PROGRAMS[program].build(torch.device("cpu"))
+    fn, args = harness.REALIZE_PROGRAMS[program].build(torch.device("cpu"))
     with torch.no_grad():
         eager = fn(*args)
     with torchpatches.only():
-        original = testing.inductor_report(fn, *args)
+        original = harness.inductor_report(fn, *args)
     with torchpatches.only(NAME):
-        patched = testing.inductor_report(fn, *args)
+        patched = harness.inductor_report(fn, *args)
     for compiled in (original, patched):
         for got, want in zip(_flatten(compiled.output), _flatten(eager), strict=True):
             torch.testing.assert_close(got, want, **EAGER_TOLERANCE)
@@ -447,7 +450,7 @@ def _cached_compile(fn: Callable[..., Any], args: Tuple[Any, ...]) -> Tuple[int,
         _, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
     after = _cache_counts()
     code = "\n".join(codes)
-    return testing.count_buffers(code), {k: after[k] - before[k] for k in after}, code
+    return harness.count_buffers(code), {k: after[k] - before[k] for k in after}, code
 
 
 def _served_from_cache(delta: Dict[str, int]) -> bool:
@@ -461,7 +464,7 @@ def test_cache_key_in_process(tmp_path: Path, only_this_patch: Path) -> None:
     import torch.compiler.config as compiler_config
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    fn, args = testing.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
+    fn, args = harness.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
     original_buffers, patched_buffers = EXPECTED["flip_to_realize"]["original"][2], EXPECTED["flip_to_realize"]["patched"][2]
     torchpatches.revert(NAME)
     saved_tag = compiler_config.cache_key_tag  # the user's tag, without our token
@@ -566,7 +569,7 @@ def test_cache_key_across_processes(tmp_path: Path, only_this_patch: Path) -> No
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     original_buffers, patched_buffers = EXPECTED["flip_to_realize"]["original"][2], EXPECTED["flip_to_realize"]["patched"][2]
-    fn, args = testing.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
+    fn, args = harness.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
     torchpatches.revert(NAME)
     saved_tag = compiler_config.cache_key_tag
     try:
@@ -616,12 +619,12 @@ def test_compiled_output_unchanged_where_skipped(only_this_patch: Path) -> None:
     import torch._inductor.ir as ir
 
     original = ir.StorageBox.should_realize_on_reuse
-    fn, args = testing.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
-    with_torchpatches = testing.inductor_report(fn, *args)
+    fn, args = harness.REALIZE_PROGRAMS["flip_to_realize"].build(torch.device("cpu"))
+    with_torchpatches = harness.inductor_report(fn, *args)
     torchpatches.revert(NAME)
     try:
         assert ir.StorageBox.should_realize_on_reuse is original
-        without = testing.inductor_report(fn, *args)
+        without = harness.inductor_report(fn, *args)
     finally:
         torchpatches.apply(NAME)
     assert _strip_ids(with_torchpatches.code) == _strip_ids(without.code)

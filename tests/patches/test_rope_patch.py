@@ -20,7 +20,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from torchpatches import _gates, testing  # noqa: E402
+from torchpatches import _gates, _harness as testing  # noqa: E402
 from torchpatches.patches import rope as rope_patch  # noqa: E402
 
 from diffusers.models import embeddings  # noqa: E402
