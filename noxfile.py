@@ -131,7 +131,10 @@ def _tests(session: nox.Session, version: str, selection: str) -> None:
         "print(f'torch {torch.__version__}, triton {triton.__version__}, Python {sys.version.split()[0]}, '"
         "f'torchpatches from {torchpatches.__file__}')",
     )
-    _pytest(session, "-m", selection)
+    # One worker per core, each test file in one worker (a file's tests keep their order and fixtures): the
+    # suite is CPU-bound Python (Dynamo, Inductor's lowering): on 2 cores the torch 2.15.0 suite took 393 s
+    # instead of 665 s (same 771 passed, 61 skipped).
+    _pytest(session, "-m", selection, "-n", "auto", "--dist", "loadfile")
 
 
 def _register(version: str, why: str, selection: str, default: bool) -> None:
