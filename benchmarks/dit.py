@@ -439,6 +439,62 @@ def print_model(name: str, entry: Dict[str, Any]) -> None:
     print(f"  fused patterns that run: {', '.join(runs_) or 'none'}")
 
 
+def print_summary(models: Dict[str, Dict[str, Any]]) -> None:
+    """One line per model: the issue-16/17 figures (eager + patches against eager and against the faster vanilla
+    compile, compiled + patches against vanilla compile, "other" GPU ms and launches, host ms fresh / after)."""
+    head = [("model", 10), ("layers", 7), ("eager ms", 9), ("all", 8), ("best compile", 16), ("all/comp", 9),
+            ("reg+tp", 8), ("full+tp", 8), ("other ms van/all/comp", 23), ("launches van/all/comp", 23),
+            ("host all/after", 16), ("err all", 9), ("err comp", 9)]
+    print("\n" + "".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(head)))
+    for name, entry in models.items():
+        rows = entry.get("rows", {})
+
+        def get(key: Optional[str], field: str) -> Optional[float]:
+            return (rows.get(key) or {}).get(field) if key else None
+
+        def prof(key: Optional[str], field: str) -> Optional[float]:
+            p = (rows.get(key) or {}).get("profile") or {} if key else {}
+            return p.get("ms_by_class", {}).get("other") if field == "other" else p.get(field)
+
+        def twin(kind: str) -> Optional[float]:
+            all_, van = get(f"{kind}/all", "median_ms"), get(f"{kind}/vanilla", "median_ms")
+            return all_ / van if all_ and van else None
+
+        def three(field: str, fmt: str) -> str:
+            return "/".join(_f(prof(k, field), fmt, 0) for k in ("eager/vanilla", "eager/all", best))
+
+        ratios = {k: v for k, v in (entry.get("best_vanilla_compile") or {}).items() if v is not None}
+        best = min(ratios, key=ratios.__getitem__) if ratios else None
+        sub = entry["full_compile_layers"]
+        subset = f"@{'+'.join(map(str, sub))}" if best == "full/vanilla" and sub != entry["layers"] else ""
+        cells = [name.ljust(10), "+".join(map(str, entry["layers"])).rjust(7),
+                 _f(get("eager/vanilla", "median_ms"), ".1f", 9), _f(get("eager/all", "ratio_vs_eager_vanilla"),
+                 ".3f", 8, "x"), (f"{ratios[best]:.3f}x {best.split('/')[0]}{subset}" if best else "-").rjust(16),
+                 _f(get("eager/all", "ratio_vs_vanilla_compile"), ".3f", 9, "x"), _f(twin("regional"), ".3f", 8, "x"),
+                 _f(twin("full"), ".3f", 8, "x"), three("other", ".1f").rjust(23),
+                 three("launches_per_step", ".0f").rjust(23),
+                 f"{_f(get('eager/all', 'host_ms'), '.1f', 0)}/{_f(get('after/all', 'host_ms'), '.1f', 0)}".rjust(16),
+                 _f(get("eager/all", "rel_err_vs_eager_vanilla"), ".1e", 9), _f(get(best, "rel_err_vs_eager_vanilla"),
+                 ".1e", 9)]
+        print("".join(cells))
+
+
+def summarize(paths: List[str]) -> None:
+    """The tables and the summary of JSON files written by earlier runs (one per model, say)."""
+    import json
+
+    models: Dict[str, Dict[str, Any]] = {}
+    for path in paths:
+        with open(path) as handle:
+            data = json.load(handle)
+        print(f"{path}: {' '.join(f'{k} {v}' for k, v in data.get('versions', {}).items())}")
+        models.update(data.get("models", {}))
+    for name, entry in models.items():
+        if entry.get("rows"):
+            print_model(name, entry)
+    print_summary(models)
+
+
 # ---- command line ------------------------------------------------------------------------------------
 
 
@@ -473,6 +529,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--after-compile", action="store_true",
                         help="compile a 3-op function first: every eager row then runs after a torch.compile")
     parser.add_argument("--json")
+    parser.add_argument("--summary", nargs="+", metavar="JSON", help="print the tables of earlier runs and exit")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in SPECS]
@@ -491,6 +548,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
+    if args.summary:
+        summarize(args.summary)
+        return 0
     import torchpatches
 
     results: Dict[str, Any] = {"versions": _bench.versions(), "command": _bench.command_line(argv),
@@ -506,6 +566,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name in args.models:
             run_model(name, args, results)
             _bench.save_json(args.json, results)
+    print_summary(results["models"])
     print("\n" + " ".join(f"{k} {v}" for k, v in results["versions"].items()))
     print(torchpatches.status())
     return 0

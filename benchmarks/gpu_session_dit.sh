@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device-tool call (H100/H200, no network): benchmarks/dit.py model by model, each in its own process (a fresh
+# process per model: the eager rows' "fresh" state is real), within one call's 600 s. Needs, carried into the repo
+# root: .whl/ (diffusers 0.42.1 + importlib_metadata wheels; docs/development.md: "GPU runs").
+#
+#   bash benchmarks/gpu_session_dit.sh wan                 # one model
+#   bash benchmarks/gpu_session_dit.sh flux1 sd3           # several, one after the other
+#   DIT_ARGS="--variants eager,regional" bash benchmarks/gpu_session_dit.sh qwenimage
+#
+# Each model gets the seconds left of DIT_BUDGET (default 560) minus 5, so a model that overruns is cut short
+# (its JSON holds every finished phase) and the summary still prints. Writes under $OUT: dit-MODEL.json,
+# dit-MODEL.txt (the full log), summary.txt (every model's table and the one-line-per-model summary).
+set -u
+start=$SECONDS
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,memory.used --format=csv
+budget=${DIT_BUDGET:-560}
+models=("$@"); [ ${#models[@]} -gt 0 ] || models=(flux1 flux2 wan qwenimage sd3)
+for model in "${models[@]}"; do
+    left=$((budget - (SECONDS - start) - 5))
+    if [ "$left" -lt 60 ]; then echo "[$model] skipped: ${left} s left"; continue; fi
+    # shellcheck disable=SC2086  # DIT_ARGS is a list of words
+    timeout -s INT -k 10 "$left" python3 benchmarks/dit.py --models "$model" --json "$OUT/dit-$model.json" \
+        ${DIT_ARGS:-} >"$OUT/dit-$model.txt" 2>&1
+    echo "[$model] exit $? after $((SECONDS - start)) s"; grep -E "^\[$model\]|FAILED|Error" "$OUT/dit-$model.txt" | tail -4
+done
+python3 benchmarks/dit.py --summary "$OUT"/dit-*.json 2>&1 | tee "$OUT/summary.txt"
