@@ -62,8 +62,8 @@ COMPILED = ("regional", "full")
 # ---- which fused patterns run on a model ------------------------------------------------------------
 
 
-def fused_patterns() -> Dict[str, str]:
-    """name -> source file of every applied registry patch declared through ``fused()`` (the eager fusion
+def fused_patterns() -> Dict[str, types.ModuleType]:
+    """name -> patch module of every applied registry patch declared through ``fused()`` (the eager fusion
     patterns; new ones are found without a list here)."""
     import torchpatches
     from torchpatches.patches import PATCH_MODULES, _fused_common
@@ -76,30 +76,54 @@ def fused_patterns() -> Dict[str, str]:
         if patch is None or patch.name not in applied:
             continue
         if any(getattr(t.make_replacement, "__module__", None) == _fused_common.__name__ for t in patch.targets):
-            found[patch.name] = module.__file__
+            found[patch.name] = module
     return found
 
 
-def pattern_activity(step: Callable[[], Any], patterns: Dict[str, str]) -> Dict[str, Dict[str, int]]:
-    """Per pattern, during one ``step()``: ``calls`` of its bodies (functions of its file called by the
-    ``fused()`` wrapper), ``fallbacks`` (calls that returned FALLBACK: diffusers' code ran) and ``frames``
-    (any function of its file that ran, should the wrapper's shape change)."""
-    from torchpatches.patches import _fused_common
+def _bodies(patches: Dict[str, types.ModuleType]) -> Dict[types.CodeType, str]:
+    """code -> pattern of the functions each bound replacement closes over (its body), the original left out."""
+    from torchpatches._slot import MARK_ORIGINAL, MARK_PATCH
 
-    common, fallback = _fused_common.__file__, _fused_common.FALLBACK
-    owner = {path: name for name, path in patterns.items()}
-    counts = {name: {"calls": 0, "fallbacks": 0, "frames": 0} for name in patterns}
+    codes = {}
+    for name, module in patches.items():
+        for target in module.PATCH.targets:
+            module_name, qualname = target.path.split(":", 1)
+            obj: Any = sys.modules.get(module_name)
+            for part in qualname.split("."):
+                obj = getattr(obj, part, None)
+            if getattr(obj, MARK_PATCH, None) != name:
+                continue
+            original = getattr(obj, MARK_ORIGINAL, None)
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if value is not original and isinstance(getattr(value, "__code__", None), types.CodeType):
+                    codes[value.__code__] = name
+    return codes
+
+
+def pattern_activity(step: Callable[[], Any], patches: Dict[str, types.ModuleType]) -> Dict[str, Dict[str, int]]:
+    """Per pattern, during one ``step()``: ``calls`` of its bodies (the functions its replacements close over),
+    ``fallbacks`` (calls that returned FALLBACK: diffusers' code ran instead) and ``frames`` (calls of any function
+    of the pattern's own file, should a replacement's shape change)."""
+    from torchpatches.patches._fused_common import FALLBACK
+
+    bodies = _bodies(patches)
+    files = {module.__file__: name for name, module in patches.items()}
+    counts = {name: {"calls": 0, "fallbacks": 0, "frames": 0} for name in patches}
 
     def tracer(frame: types.FrameType, event: str, arg: Any) -> None:
-        name = owner.get(frame.f_code.co_filename)
-        if name is None or event not in ("call", "return"):
-            return
-        body = frame.f_back is not None and frame.f_back.f_code.co_filename == common
         if event == "call":
-            counts[name]["frames"] += 1
-            counts[name]["calls"] += body
-        elif body and arg is fallback:
-            counts[name]["fallbacks"] += 1
+            name = files.get(frame.f_code.co_filename)
+            if name is not None:
+                counts[name]["frames"] += 1
+            body = bodies.get(frame.f_code)
+            if body is not None:
+                counts[body]["calls"] += 1
+        elif event == "return" and arg is FALLBACK and frame.f_code in bodies:
+            counts[bodies[frame.f_code]]["fallbacks"] += 1
 
     sys.setprofile(tracer)
     try:
