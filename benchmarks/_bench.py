@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch  # noqa: E402
 
-__all__ = ["build", "time_steps", "kernel_class", "profile", "state", "rel_err", "versions", "summary",
+__all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
            "save_json", "compile_once", "command_line"]
 
 
@@ -94,8 +94,9 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def profile(step: Callable[[], Any], steps: int = 2) -> Dict[str, Any]:
-    """GPU time per step by kernel class and kernel launches per step, from torch.profiler (CUDA only)."""
+def kernel_times(step: Callable[[], Any], steps: int = 2) -> List[Tuple[str, float, float]]:
+    """(kernel name, GPU ms per step, launches per step) of every CUDA kernel and copy in ``steps`` steps after
+    one unprofiled step, longest first (torch.profiler; CUDA only)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -114,6 +115,12 @@ def profile(step: Callable[[], Any], steps: int = 2) -> Dict[str, Any]:
             us = event.self_cuda_time_total
         kernels.append((event.key[:140], us / steps / 1e3, event.count / steps))
     kernels.sort(key=lambda row: -row[1])
+    return kernels
+
+
+def profile(step: Callable[[], Any], steps: int = 2) -> Dict[str, Any]:
+    """GPU time per step by kernel class and kernel launches per step, from torch.profiler (CUDA only)."""
+    kernels = kernel_times(step, steps)
     by_class: Dict[str, float] = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
     for key, ms, _ in kernels:
         by_class[kernel_class(key)] += ms
