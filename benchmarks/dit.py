@@ -307,33 +307,10 @@ def auto_steps(step: Callable[[], Any], device: torch.device, target_ms: float) 
     return max(6, min(60, math.ceil(target_ms / max(min(times), 1e-3))))
 
 
-def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any]) -> None:
-    device = torch.device("cpu" if args.tiny else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
-    torch._dynamo.reset()
-    t0 = time.perf_counter()
-    model, feed, spec, config = load(name, args, device, dtype)
-    layers = layers_of(spec, config)
-    sub = args.full_layers.get(name)
-    sub = sub if sub is not None and sub != layers else None
-    entry: Dict[str, Any] = {
-        "class": spec.cls_name, "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()},
-        "layers": list(layers), "model_layers": list(spec.full_layers), "full_compile_layers": list(sub or layers),
-        "dtype": str(dtype), "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
-        "build_s": time.perf_counter() - t0, "rows": {}}
-    results["models"][name] = entry
-    print(f"[{name}] {spec.cls_name}, layers {'+'.join(map(str, layers))} of {'+'.join(map(str, spec.full_layers))},"
-          f" {entry['params_b']:.2f} B params, built in {entry['build_s']:.1f} s", flush=True)
-
+def make_rows(name: str, model: torch.nn.Module, feed: Dict[str, Any], spec: Spec, wanted: List[str],
+              running: List[str], sub: Optional[Tuple[int, ...]]) -> List[Row]:
+    """The rows asked for, each with its context (patch state, compiled regions, subset) and step."""
     step = functools.partial(model, **feed)
-    with _bench.state("all"), torch.inference_mode():
-        step()  # Triton JIT and lazy imports outside the trace
-        activity = pattern_activity(step, fused_patterns())
-    entry["patterns"] = activity
-    running = [p for p, a in activity.items() if runs(a)]
-    print(f"[{name}] fused patterns that run: {', '.join(running) or 'none'}", flush=True)
-
-    wanted = [v for v in args.variants if not (v == "after" and args.after_compile)]
     sub_lists = subset_lists(model, spec, sub) if sub else {}
     blocks = regions(model, spec)
     rows = []
@@ -351,39 +328,87 @@ def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any]) -> N
                             ref="full/eager-vanilla" if sub else "eager/vanilla"))
         else:
             rows.append(Row(key, variant, ctx, step))
-    by_key = {row.key: row for row in rows}
+    return rows
+
+
+def _guarded(name: str, row: Row, what: str, action: Callable[[], None]) -> None:
+    """``action()``; an exception (a compile that fails, memory) marks the row failed instead of ending the run."""
+    try:
+        action()
+    except Exception as error:  # noqa: BLE001 - a failing variant must not cost the others
+        row.error = f"{what}: {type(error).__name__}: {error}"[:500]
+        print(f"[{name}] {row.key}: FAILED {row.error}", flush=True)
+
+
+def run_phases(name: str, rows: List[Row], args: argparse.Namespace, device: torch.device, steps: int,
+               save: Callable[[], None]) -> None:
+    """Eager rows, then compiled rows with the eager "after" rows: first calls (compiles) first, so that the
+    rounds alternate steady states; then the profiles. Saved as it goes (a call cut short keeps the rest)."""
+    phases = [[r for r in rows if r.key.startswith("eager/")], [r for r in rows if not r.key.startswith("eager/")]]
+    for phase in phases:
+        for row in phase:
+            _guarded(name, row, "first call", functools.partial(row.first, device))
+            if row.error is None:
+                print(f"[{name}] {row.key}: first call {row.first_s:.1f} s", flush=True)
+            save()
+        for _ in range(args.rounds):
+            for row in phase:
+                if row.error is None:
+                    _guarded(name, row, "timing", functools.partial(row.measure, device, args.warmup, steps))
+            save()
+    if device.type == "cuda" and not args.no_profile:
+        for row in rows:
+            if row.error is None:
+                _guarded(name, row, "profile", functools.partial(_profile_row, row))
+        save()
+
+
+def _profile_row(row: Row) -> None:
+    with row.context(), torch.inference_mode():
+        row.profile = _bench.profile(row.step)
+
+
+def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any]) -> None:
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    torch._dynamo.reset()
+    t0 = time.perf_counter()
+    model, feed, spec, config = load(name, args, device, dtype)
+    layers = layers_of(spec, config)
+    sub = args.full_layers.get(name)
+    sub = tuple(min(n, most) for n, most in zip(sub, layers)) if sub is not None else None
+    sub = sub if sub != layers else None
+    entry: Dict[str, Any] = {
+        "class": spec.cls_name, "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()},
+        "layers": list(layers), "model_layers": list(spec.full_layers), "full_compile_layers": list(sub or layers),
+        "dtype": str(dtype), "params_b": sum(p.numel() for p in model.parameters()) / 1e9,
+        "build_s": time.perf_counter() - t0, "rows": {}}
+    results["models"][name] = entry
+    print(f"[{name}] {spec.cls_name}, layers {'+'.join(map(str, layers))} of {'+'.join(map(str, spec.full_layers))},"
+          f" {entry['params_b']:.2f} B params, built in {entry['build_s']:.1f} s", flush=True)
+
+    step = functools.partial(model, **feed)
+    with _bench.state("all"), torch.inference_mode():
+        step()  # Triton JIT and lazy imports outside the trace
+        entry["patterns"] = pattern_activity(step, fused_patterns())
+    running = [p for p, a in entry["patterns"].items() if runs(a)]
+    print(f"[{name}] fused patterns that run: {', '.join(running) or 'none'}", flush=True)
     with _bench.state("vanilla"), torch.inference_mode():
         steps = args.steps or auto_steps(step, device, args.round_ms)
     entry["steps_per_round"], entry["rounds"] = steps, args.rounds
+
+    wanted = [v for v in args.variants if not (v == "after" and args.after_compile)]
+    rows = make_rows(name, model, feed, spec, wanted, running, sub)
+    by_key = {row.key: row for row in rows}
 
     def save() -> None:
         entry["rows"] = {row.key: row.record() for row in rows}
         finish(entry, by_key)
         _bench.save_json(args.json, results)
 
-    phases = [[r for r in rows if r.key.startswith("eager/")],
-              [r for r in rows if not r.key.startswith("eager/")]]
-    for phase in phases:
-        for row in phase:  # first calls (compiles) before the rounds, so rounds alternate steady states
-            try:
-                row.first(device)
-                print(f"[{name}] {row.key}: first call {row.first_s:.1f} s", flush=True)
-            except Exception as error:  # noqa: BLE001 - a failing variant must not cost the others
-                row.error = f"{type(error).__name__}: {error}"[:500]
-                print(f"[{name}] {row.key}: FAILED {row.error}", flush=True)
-        live = [row for row in phase if row.error is None]
-        for _ in range(args.rounds):
-            for row in live:
-                row.measure(device, args.warmup, steps)
-        save()
-    if device.type == "cuda" and not args.no_profile:
-        for row in rows:
-            if row.error is None:
-                with row.context(), torch.inference_mode():
-                    row.profile = _bench.profile(row.step)
-    save()
+    run_phases(name, rows, args, device, steps, save)
     print_model(name, entry)
-    del model, feed, step, rows, by_key, blocks, sub_lists
+    del model, feed, step, rows, by_key
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
