@@ -8,8 +8,10 @@
 #   DIT_ARGS="--variants eager,regional" bash benchmarks/gpu_session_dit.sh qwenimage
 #
 # Each model gets the seconds left of DIT_BUDGET (default 560) minus 5, so a model that overruns is cut short
-# (its JSON holds every finished phase) and the summary still prints. Writes under $OUT: dit-MODEL.json,
-# dit-MODEL.txt (the full log), summary.txt (every model's table and the one-line-per-model summary).
+# (its JSON holds every first call and round done) and the summary still prints. Writes under $OUT (at most 8
+# files come back: one JSON per model, one log): dit-MODEL.json, log.txt (every model's output), summary.txt
+# (every model's table and the one-line-per-model summary). Summaries of several calls' files, anywhere:
+#   python benchmarks/dit.py --summary dit-*.json
 set -u
 start=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -21,9 +23,11 @@ models=("$@"); [ ${#models[@]} -gt 0 ] || models=(flux1 flux2 wan qwenimage sd3)
 for model in "${models[@]}"; do
     left=$((budget - (SECONDS - start) - 5))
     if [ "$left" -lt 60 ]; then echo "[$model] skipped: ${left} s left"; continue; fi
+    echo "=== $model (${left} s left)" >>"$OUT/log.txt"
     # shellcheck disable=SC2086  # DIT_ARGS is a list of words
     timeout -s INT -k 10 "$left" python3 benchmarks/dit.py --models "$model" --json "$OUT/dit-$model.json" \
-        ${DIT_ARGS:-} >"$OUT/dit-$model.txt" 2>&1
-    echo "[$model] exit $? after $((SECONDS - start)) s"; grep -E "^\[$model\]|FAILED|Error" "$OUT/dit-$model.txt" | tail -4
+        ${DIT_ARGS:-} >>"$OUT/log.txt" 2>&1
+    echo "[$model] exit $? after $((SECONDS - start)) s"
 done
+grep -E "FAILED|Error" "$OUT/log.txt" | head -20
 python3 benchmarks/dit.py --summary "$OUT"/dit-*.json 2>&1 | tee "$OUT/summary.txt"
