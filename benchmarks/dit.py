@@ -24,7 +24,8 @@ side and alternate without recompiling; a recompile during timing is reported. P
 vanilla and to the faster vanilla compile, GPU kernel ms by class (GEMM / attention / other) and launches per
 step (torch.profiler), host ms (wall time of enqueueing one step on an empty queue), GPU idle ms (step minus
 kernel time), and ||out - ref|| / ||ref|| against eager vanilla (compiled + patches also against its vanilla
-compile). Inductor's caches are off. ``--json PATH`` is rewritten after each phase.
+compile). Inductor's caches are off. ``--json PATH`` is rewritten after every first call and round, so a run
+cut short keeps what it measured; ``--summary`` prints the tables of such files again.
 
     python benchmarks/dit.py --models wan --json wan.json                      # GPU
     python benchmarks/dit.py --models flux1 --variants eager,regional --layers flux1=19+38
