@@ -12,6 +12,12 @@
 # files come back: one JSON per model, one log): dit-MODEL.json, log.txt (every model's output), summary.txt
 # (every model's table and the one-line-per-model summary). Summaries of several calls' files, anywhere:
 #   python benchmarks/dit.py --summary dit-*.json
+#
+# Expected device seconds per model on an H100 (estimated from the script's structure and issue 16/17's step and
+# compile times, not yet measured; each includes ~15 s of imports): flux1 ~180 (regional 2 x ~22 s, full on 2+4
+# blocks 2 x ~20 s), flux2 ~180 (full 2 x ~30 s), wan ~240 (4 compiles ~130 s, 0.35 s steps), qwenimage ~180,
+# sd3 ~165. So three calls: "wan sd3", "flux1 flux2", "qwenimage". Without the full-compile rows
+# (DIT_ARGS="--variants eager,each,regional,after") each model needs ~60 s less.
 set -u
 start=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
