@@ -6,7 +6,8 @@ separate batch-1 calls). Not a benchmark itself.
     flux1      FLUX.1-dev: 19 double + 38 single blocks, 24 heads x 128; 1024x1024 = 4096 image + 512 text tokens
     flux2      FLUX.2-dev widths (48 x 128, MLP ratio 3, text 15360, RoPE 4 x 32), 2 of 8 double + 12 of 48 single
     wan        Wan2.1-T2V-14B: 40 x 128, FFN 13824, rms_norm_across_heads, cross-attn norm, text 4096; 480x832,
-               81 frames = latents 16 x 21 x 60 x 104 = 32,760 tokens (patch 1,2,2), 512 text; 4 of 40 layers
+               81 frames = latents 16 x 21 x 60 x 104 = 32,760 tokens (patch 1,2,2), 512 text tokens (128 valid, then
+               zeros as WanPipeline pads), int64 timestep; fp32 norms/modulation tables/time embedder; 4 of 40 layers
     qwenimage  Qwen-Image: 24 x 128, joint 3584; 1328x1328 = 83 x 83 = 6,889 packed tokens, 256 text tokens with a
                mask (230 valid, the rest padding); 6 of 60 layers
     sd3        SD3.5-large: 38 x 64, joint 4096, caption 2432, pooled 2048, RMSNorm q/k, pos_embed_max_size 192;
