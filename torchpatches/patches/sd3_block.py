@@ -1,0 +1,113 @@
+"""sd3_block: SD3's ``JointTransformerBlock`` with each ``residual + gate * out`` (and the LayerNorm + modulate
+after it) as one kernel (eager).
+
+What goes wrong upstream
+    ``JointTransformerBlock.forward`` (SD3 / SD3.5, ``diffusers/models/attention.py``) ends its attention
+    half with ``hidden_states + gate_msa.unsqueeze(1) * attn_output`` and feeds the result straight into
+    ``norm2`` and ``* (1 + scale_mlp[:, None]) + shift_mlp[:, None]``: six eager ops, each a full pass over
+    ``[B, S, D]``; the feed-forward half ends with another gate + residual (two ops); the context stream does
+    the same (eight more). ``torch.compile`` fuses each stretch into one kernel; eager users pay 16 launches
+    per block for it.
+
+What the patch changes
+    The block's forward keeps every module call of diffusers' code (norm1, norm1_context, attention, attn2,
+    feed-forwards: LoRA layers and hooks on them keep working) and replaces the tensor glue, as the
+    ``gate_residual`` patch does for FLUX's blocks:
+
+    - ``h + gate_msa * attn`` then ``norm2(h) * (1 + scale_mlp) + shift_mlp`` by
+      ``ops.modulate.gate_residual_layer_norm_modulate`` (one pass, two outputs) while ``adaln`` is applied
+      (else ``ops.modulate.gate_residual`` and diffusers' LayerNorm + modulate); the same for the context
+      stream with ``norm2_context``;
+    - ``h + gate_mlp * ff`` (both streams) by ``ops.modulate.gate_residual``;
+    - the last, ``context_pre_only`` block: no context tail (diffusers returns None for it);
+    - SD3.5-medium's dual-attention blocks (MMDiT-X): the first gate + residual alone, ``attn2`` as a module
+      call, then the second gate + residual fused with norm2 + modulate (``SD35AdaLayerNormZeroX`` itself
+      runs diffusers' forward).
+
+    diffusers' forward runs for: ``torch.compile``, ``torch.jit.trace``, feed-forward chunking
+    (``set_chunk_feed_forward``), gradients (also forward AD and functorch transforms), autocast, a replaced
+    global of the block or of ``F.layer_norm`` / ``LayerNorm.forward``, tensor subclasses, CPU tensors.
+
+Tolerance
+    Bit-identical to diffusers for the gate + residual (same roundings); the fused LayerNorm as in the
+    ``adaln`` patch (one ulp where fp32 statistics differ in their last bit).
+
+Versions
+    diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4.
+
+When to delete
+    When diffusers fuses the block glue for eager mode.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._declare import Patch, Target
+from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused
+from ._modulate_calls import residual, residual_modulated
+
+__all__ = ["PATCH"]
+
+_ATTENTION = "diffusers.models.attention"
+
+
+def _block_ok(self: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any) -> bool:
+    return (
+        self._chunk_size is None
+        and fusable(hidden_states, (self,), encoder_hidden_states, temb)
+        and hidden_states.dim() == 3
+        and type(encoder_hidden_states) is torch.Tensor
+        and encoder_hidden_states.dim() == 3
+    )
+
+
+def _joint_block(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
+    if not _block_ok(self, hidden_states, encoder_hidden_states, temb):
+        return FALLBACK
+    # diffusers 0.42.1 JointTransformerBlock.forward with the gate/residual/norm2 glue fused.
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    if self.use_dual_attention:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = self.norm1(
+            hidden_states, emb=temb
+        )
+    else:
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    if self.context_pre_only:
+        norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states, temb)
+    else:
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+            encoder_hidden_states, emb=temb
+        )
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states, **joint_attention_kwargs
+    )
+    if self.use_dual_attention:
+        hidden_states = residual(hidden_states, gate_msa, attn_output, clip=False)
+        attn_output = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
+        gate_msa = gate_msa2
+    hidden_states, norm_hidden_states = residual_modulated(
+        self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
+    )
+    hidden_states = residual(hidden_states, gate_mlp, self.ff(norm_hidden_states), clip=False)
+    if self.context_pre_only:
+        return None, hidden_states
+    encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
+        self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp
+    )
+    context_ff_output = self.ff_context(norm_encoder_hidden_states)
+    encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, context_ff_output, clip=False)
+    return encoder_hidden_states, hidden_states
+
+
+PATCH = Patch(
+    name="sd3_block",
+    summary="SD3 blocks: gate + residual (+ next LayerNorm/modulate) in one kernel (eager)",
+    targets=(
+        Target(f"{_ATTENTION}:JointTransformerBlock.forward", make_replacement=fused("sd3_block", _joint_block,
+                                                                                    LAYER_NORM),
+               fingerprints=frozenset({"e64d8fc0e57ee1fa"})),  # diffusers 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)
