@@ -54,14 +54,15 @@ def cases(draw: Any) -> Dict[str, Any]:
 
 
 def call(case: Dict[str, Any], tier: str):
+    """The op on a case; SD3's options (``sd3_cases``) where the case has them."""
     (q, k, v), w = case["img"], case["weights"]
-    extra: Dict[str, Any] = {}
+    extra: Dict[str, Any] = {key: case[key] for key in ("text_first", "rounding") if key in case}
     if case["txt"] is not None:
         qt, kt, vt = case["txt"]
-        extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3],
+        extra.update(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3],
                      eps_q_txt=1e-6, eps_k_txt=1e-5)
-    return qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
-                        tier=tier, **extra)
+    cos, sin = (case["cos"], case["sin"]) if case.get("rope", True) else (None, None)
+    return qk_norm_rope(q, k, cos, sin, q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5, tier=tier, **extra)
 
 
 def reference64(case: Dict[str, Any]):
@@ -70,17 +71,20 @@ def reference64(case: Dict[str, Any]):
         return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
 
     def rot(x):
+        if not case.get("rope", True):
+            return x
         a, b = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
         r = torch.stack([-b, a], dim=-1).flatten(-2)
         return x * case["cos"].double()[None, :, None] + r * case["sin"].double()[None, :, None]
+
+    def join(t, i):
+        return torch.cat([t, i], 1) if case.get("text_first", True) else torch.cat([i, t], 1)
 
     (q, k, v), w = case["img"], case["weights"]
     q, k = rms(q, w[0], 1e-6), rms(k, w[1], 1e-5)
     if case["txt"] is not None:
         qt, kt, vt = case["txt"]
-        q = torch.cat([rms(qt, w[2], 1e-6), q], 1)
-        k = torch.cat([rms(kt, w[3], 1e-5), k], 1)
-        v = torch.cat([vt, v], 1)
+        q, k, v = join(rms(qt, w[2], 1e-6), q), join(rms(kt, w[3], 1e-5), k), join(vt, v)
     return rot(q), rot(k), v
 
 
@@ -178,41 +182,6 @@ def sd3_cases(draw: Any) -> Dict[str, Any]:
     return case
 
 
-def call_sd3(case: Dict[str, Any], tier: str):
-    (q, k, v), w = case["img"], case["weights"]
-    extra: Dict[str, Any] = {}
-    if case["txt"] is not None:
-        qt, kt, vt = case["txt"]
-        extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3],
-                     eps_q_txt=1e-6, eps_k_txt=1e-5)
-    cos, sin = (case["cos"], case["sin"]) if case["rope"] else (None, None)
-    return qk_norm_rope(q, k, cos, sin, q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5, tier=tier,
-                        text_first=case["text_first"], rounding=case["rounding"], **extra)
-
-
-def reference64_sd3(case: Dict[str, Any]):
-    def rms(x, w, eps):
-        x = x.double()
-        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w.double()
-
-    def rot(x):
-        if not case["rope"]:
-            return x
-        a, b = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
-        r = torch.stack([-b, a], dim=-1).flatten(-2)
-        return x * case["cos"].double()[None, :, None] + r * case["sin"].double()[None, :, None]
-
-    def join(t, i):
-        return torch.cat([t, i], 1) if case["text_first"] else torch.cat([i, t], 1)
-
-    (q, k, v), w = case["img"], case["weights"]
-    q, k = rms(q, w[0], 1e-6), rms(k, w[1], 1e-5)
-    if case["txt"] is not None:
-        qt, kt, vt = case["txt"]
-        q, k, v = join(rms(qt, w[2], 1e-6), q), join(rms(kt, w[3], 1e-5), k), join(vt, v)
-    return rot(q), rot(k), v
-
-
 @needs_triton
 @settings(**HYP)
 @given(sd3_cases())
@@ -220,9 +189,9 @@ def test_sd3_options_triton_tier_matches_torch_tier_and_float64(case: Dict[str, 
     """rounding="each" rounds twice (after the norm, after the weight): two ulps against the PyTorch tier
     where the fp32 statistic differs in its last bit; float64 within a few unit roundoffs of each head's
     largest element (pairs with RoPE)."""
-    got = call_sd3(case, "triton")
-    ref = call_sd3(case, "torch")
-    exact = reference64_sd3(case)
+    got = call(case, "triton")
+    ref = call(case, "torch")
+    exact = reference64(case)
     limit = 8.0 if case["dtype"] == torch.float32 else 2.0
     for g, r, e in zip(got[:2], ref[:2], exact[:2]):
         assert g.shape == r.shape and g.is_contiguous()

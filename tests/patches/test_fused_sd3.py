@@ -6,7 +6,8 @@ GPU) computes what diffusers computes, bit for bit with the PyTorch tier; every 
 runs diffusers' code; under torch.compile the patterns step aside (same Inductor kernels). Op call counters
 (``calls``, tests/patches/conftest.py) show which path ran. The registry's promises (fingerprints, revert by
 identity) are checked for every pattern in ``FUSED`` by test_fused_patches.py, the step-aside cases shared by
-every model (forward AD, vmap/jvp, autocast) by test_fused_step_aside.py.
+every model (forward AD, vmap/jvp, autocast) by test_fused_step_aside.py, a prompt needing grad by
+test_fused_patches_hostile.py.
 """
 from __future__ import annotations
 
@@ -195,23 +196,6 @@ def test_gradients_get_diffusers_code(calls: Dict[str, int]) -> None:
     assert torch.equal(out, ref) and not calls
     out.sum().backward()
     assert model.pos_embed.proj.weight.grad is not None
-
-
-def test_prompt_needing_grad_gets_diffusers_code(calls: Dict[str, int]) -> None:
-    """A frozen model, only the prompt requiring grad: no fused kernel may see the text stream."""
-    model, inputs = tiny("sd3")
-
-    def grad_of_prompt() -> torch.Tensor:
-        prompt = inputs["encoder_hidden_states"].clone().requires_grad_(True)
-        model(**{**inputs, "encoder_hidden_states": prompt}, return_dict=False)[0].square().sum().backward()
-        return prompt.grad
-
-    with torchpatches.disabled(*FUSED):
-        ref = grad_of_prompt()
-    with force_tier("torch"):
-        got = grad_of_prompt()
-    assert not any(key.endswith("with grad") for key in calls), dict(calls)
-    assert torch.equal(got, ref)
 
 
 def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:

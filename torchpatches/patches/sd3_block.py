@@ -29,14 +29,14 @@ What the patch changes
     global of the block or of ``F.layer_norm`` / ``LayerNorm.forward``, tensor subclasses, CPU tensors.
 
 Tolerance
-    Bit-identical to diffusers for the gate + residual (same roundings); the fused LayerNorm as in the
-    ``adaln`` patch (one ulp where fp32 statistics differ in their last bit).
+    The same kernels as ``gate_residual`` (FLUX), the same rounding points: gate + residual bit-identical,
+    norm2 + modulate within one ulp (an fp32 LayerNorm statistic in another summation order).
 
 Versions
-    diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4.
+    diffusers 0.42.x, fingerprint of ``JointTransformerBlock.forward`` verified on 0.42.1; torch >= 2.4.
 
 When to delete
-    When diffusers fuses the block glue for eager mode.
+    When diffusers' SD3 block fuses its residual glue in eager mode (or ships such kernels).
 """
 from __future__ import annotations
 
