@@ -247,17 +247,10 @@ def test_a_rebound_global_is_what_runs(case: str, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.slow
-def test_compile_same_kernels_and_outputs(calls: Dict[str, int], record_property: Callable[[str, Any], None]) -> None:
-    from test_fused_patches import compile_and_count
+def test_compile_same_kernels_and_outputs(calls: Dict[str, int], record_property: Callable[[str, Any], None],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUX's compile case (test_fused_patches.py) on tiny sd3-fused: same Inductor kernels, same outputs."""
+    import test_fused_patches as flux
 
-    model, inputs = tiny("sd3")
-    with torchpatches.disabled(*FUSED):
-        ref, ref_kernels = compile_and_count(model, inputs)
-    with force_tier("torch"):  # even with the fused path allowed on CPU, tracing keeps diffusers' code
-        out, kernels = compile_and_count(model, inputs)
-    torch._dynamo.reset()
-    record_property("inductor_fused_kernels", dict(vanilla=ref_kernels, patched=kernels))
-    print(f"\ninductor kernels, tiny sd3-fused, CPU, torch {torch.__version__}: vanilla {ref_kernels}, patched {kernels}")
-    assert not calls
-    assert kernels == ref_kernels
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    monkeypatch.setitem(flux.MODELS, "sd3", lambda: tiny("sd3"))
+    flux.test_compile_same_kernels_and_outputs("sd3", calls, record_property)
