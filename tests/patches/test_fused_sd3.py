@@ -12,6 +12,7 @@ test_fused_patches_hostile.py.
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any, Callable, Dict, Tuple
 
 import pytest
@@ -29,11 +30,11 @@ pytestmark = pytest.mark.usefixtures("fused_on")
 
 #: Fused op calls per forward with every pattern on. sd3-fused: block 0 norm1, norm1_context, 2 x
 #: (residual + norm2, residual) ; block 1 (context_pre_only) norm1, norm1_context (continuous),
-#: residual + norm2, residual; norm_out. sd3-dual: block 0's SD35AdaLayerNormZeroX runs diffusers' code,
-#: its attn + residual is one more residual; attn2 is one more q/k call.
+#: residual + norm2, residual; norm_out. sd3-dual: block 0's SD35AdaLayerNormZeroX is two adaLN calls and
+#: its attn + residual one more residual; attn2 is one more q/k call.
 EXPECTED = {
     "sd3-fused": {"modulate": 11, "qk_norm_rope": 2},
-    "sd3-dual": {"modulate": 11, "qk_norm_rope": 3},
+    "sd3-dual": {"modulate": 13, "qk_norm_rope": 3},
 }
 
 
@@ -184,6 +185,25 @@ def test_forward_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
     assert seen == {"norm_added_k": 1, "norm2": 1}
     # The hooked processor fell back (block 1's did not); block 0's norm2 ran as a module (residual only).
     assert calls["qk_norm_rope"] == 1 and calls["modulate"] == 11
+
+
+@pytest.mark.parametrize("how", ["hooked", "adaln off"])
+def test_dual_attention_norm1_runs_diffusers_code_when_not_served(how: str, calls: Dict[str, int]) -> None:
+    """SD35AdaLayerNormZeroX is rewritten by sd3_block only while adaln is on and it is stock and unhooked."""
+    model, inputs = model_and_inputs("sd3-dual")
+    seen: collections.Counter = collections.Counter()
+    norm1 = model.transformer_blocks[0].norm1
+    if how == "hooked":
+        norm1.register_forward_hook(_spy(seen, "norm1"))
+    ref = reverted(model, inputs)
+    seen.clear()
+    with force_tier("torch"), (torchpatches.disabled("adaln") if how == "adaln off" else contextlib.nullcontext()):
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    if how == "hooked":
+        assert seen == {"norm1": 1} and calls["modulate"] == EXPECTED["sd3-dual"]["modulate"] - 2
+    else:  # no adaLN / LayerNorm kernels; residuals fused: block 0 five (dual: one more), block 1 two
+        assert calls["modulate"] == 7
 
 
 @pytest.mark.parametrize("case", ["attention subclass", "norm subclass", "parallel config", "chunked ff"])

@@ -20,9 +20,10 @@ What the patch changes
       stream with ``norm2_context``;
     - ``h + gate_mlp * ff`` (both streams) by ``ops.modulate.gate_residual``;
     - the last, ``context_pre_only`` block: no context tail (diffusers returns None for it);
-    - SD3.5-medium's dual-attention blocks (MMDiT-X): the first gate + residual alone, ``attn2`` as a module
-      call, then the second gate + residual fused with norm2 + modulate (``SD35AdaLayerNormZeroX`` itself
-      runs diffusers' forward).
+    - SD3.5-medium's dual-attention blocks (MMDiT-X): ``SD35AdaLayerNormZeroX`` (one LayerNorm, two
+      modulations) as two ``layer_norm_modulate`` launches while ``adaln`` is applied (its Linear and SiLU
+      still module calls), the first gate + residual alone, ``attn2`` as a module call, then the second
+      gate + residual fused with norm2 + modulate.
 
     diffusers' forward runs for: ``torch.compile``, ``torch.jit.trace``, feed-forward chunking
     (``set_chunk_feed_forward``), gradients (also forward AD and functorch transforms), autocast, a replaced
@@ -40,17 +41,20 @@ When to delete
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 
 from .._declare import Patch, Target
-from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused
-from ._modulate_calls import residual, residual_modulated
+from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, pattern_on, plain_layer_norm, stock
+from ._modulate_calls import modulated, residual, residual_modulated
 
 __all__ = ["PATCH"]
 
 _ATTENTION = "diffusers.models.attention"
+_NORMALIZATION = "diffusers.models.normalization"
+_NORM_X = f"{_NORMALIZATION}:SD35AdaLayerNormZeroX.forward"
 
 
 def _block_ok(self: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any) -> bool:
@@ -63,14 +67,30 @@ def _block_ok(self: Any, hidden_states: Any, encoder_hidden_states: Any, temb: A
     )
 
 
+def _norm1_dual(self: Any, hidden_states: torch.Tensor, temb: torch.Tensor) -> tuple:
+    """``self.norm1(hidden_states, emb=temb)`` for an ``SD35AdaLayerNormZeroX``: diffusers 0.42.1's forward
+    with its LayerNorm computed by each of the two modulations (the same values) while adaln is on."""
+    norm1 = self.norm1
+    if not (pattern_on("adaln") and stock(norm1, sys.modules[_NORMALIZATION].SD35AdaLayerNormZeroX)
+            and plain_layer_norm(norm1.norm, hidden_states.shape[-1])):
+        return norm1(hidden_states, emb=temb)
+    emb = norm1.linear(norm1.silu(temb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = emb.chunk(
+        9, dim=1
+    )
+    out = modulated(norm1.norm, hidden_states, scale_msa, shift_msa, fuse=True)
+    out2 = modulated(norm1.norm, hidden_states, scale_msa2, shift_msa2, fuse=True)
+    return out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2
+
+
 def _joint_block(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
     if not _block_ok(self, hidden_states, encoder_hidden_states, temb):
         return FALLBACK
     # diffusers 0.42.1 JointTransformerBlock.forward with the gate/residual/norm2 glue fused.
     joint_attention_kwargs = joint_attention_kwargs or {}
     if self.use_dual_attention:
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = self.norm1(
-            hidden_states, emb=temb
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = _norm1_dual(
+            self, hidden_states, temb
         )
     else:
         norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
@@ -105,9 +125,10 @@ PATCH = Patch(
     name="sd3_block",
     summary="SD3 blocks: gate + residual (+ next LayerNorm/modulate) in one kernel (eager)",
     targets=(
-        Target(f"{_ATTENTION}:JointTransformerBlock.forward", make_replacement=fused("sd3_block", _joint_block,
-                                                                                    LAYER_NORM),
+        Target(f"{_ATTENTION}:JointTransformerBlock.forward",
+               make_replacement=fused("sd3_block", _joint_block, LAYER_NORM + (_NORM_X,)),
                fingerprints=frozenset({"e64d8fc0e57ee1fa"})),  # diffusers 0.42.1
     ),
+    verifies={_NORM_X: frozenset({"0d6e640065ac6bf5"})},  # diffusers 0.42.1: rewritten by _norm1_dual
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
 )
