@@ -236,3 +236,25 @@ def test_sd3_options_bad_input_raises() -> None:
         qk_norm_rope(q, q.clone(), q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, rounding="twice")
     out = qk_norm_rope(q, q.clone(), q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6)  # odd D: fine without RoPE
     assert out[0].shape == q.shape
+
+
+def test_sd3_form_compiles_fullgraph_as_a_custom_op() -> None:
+    """No RoPE (cos/sin None in the custom op's schema), image first, diffusers' rounding: one traced op."""
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    qt, kt, vt = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8)
+    w = torch.rand(8) + 0.5
+
+    def fn(q, k, v, qt, kt, vt):
+        return qk_norm_rope(q, k, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, v=v, q_txt=qt, k_txt=kt, v_txt=vt,
+                            q_txt_weight=w, k_txt_weight=w, eps_q_txt=1e-6, eps_k_txt=1e-6, text_first=False,
+                            rounding="each", tier="torch")
+
+    torch._dynamo.reset()
+    args = (q, k, v, qt, kt, vt)
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0
+    assert any("torchpatches.qk_norm_rope" in str(n.target) for g in explained.graphs for n in g.graph.nodes)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for got, ref in zip(compiled(*args), fn(*args)):
+        assert torch.equal(got, ref)
+    torch._dynamo.reset()
