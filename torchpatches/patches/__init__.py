@@ -2,3 +2,4 @@
 
 #: Patch modules in the order they apply and are reported.
 PATCH_MODULES = ("inductor_realize", "compile_warnings", "rope", "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
+PATCH_MODULES += ("lora",)  # peft LoRA layers (issue 17)
