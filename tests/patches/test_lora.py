@@ -91,6 +91,16 @@ def peft_forward(model: torch.nn.Module, inputs: Dict[str, Any], **kwargs: Any) 
         return forward(model, inputs, **kwargs)
 
 
+def served_equal(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """The fused path against peft's in fp32 with power-of-two scalings: bit-identical on the CPU (measured);
+    on a GPU cuBLAS may choose another kernel (split-K) for ``beta=1`` than for peft's separate GEMM, so there
+    within a few fp32 ulps (not measured: CI runs the CPU)."""
+    if out.device.type == "cpu":
+        return torch.equal(out, ref)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    return True
+
+
 MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
 
@@ -172,16 +182,16 @@ def test_one_adapter_fp32_bit_identical(calls: List[Tuple[int, bool]]) -> None:
     ref = peft_forward(model, inputs)
     assert not calls
     out = forward(model, inputs)
-    assert torch.equal(out, ref)
+    assert served_equal(out, ref)
     assert len(calls) == LAYERS and calls.count((1, True)) == GELU_LAYERS and calls.count((1, False)) == LAYERS - 2
     with torchpatches.disabled(*FUSED, "lora", "rope"):  # and the adapter acts: not the base model's output
         model.disable_adapters()
         assert not torch.equal(forward(model, inputs), ref)
 
 
-def test_scaling_not_a_power_of_two_fp32_within_one_rounding(calls: List[Tuple[int, bool]]) -> None:
-    """``alpha * acc + C`` may be one FMA where peft rounds ``acc * s`` first: the whole tiny model stays
-    within a few fp32 ulps of peft's (each layer's sum within one rounding, then propagated)."""
+def test_scaling_not_a_power_of_two_fp32_within_the_gemm_error(calls: List[Tuple[int, bool]]) -> None:
+    """The GEMM applies ``alpha`` itself (an FMA with C, or to the packed operand): each layer's sum within the
+    GEMM's own error bound of peft's (``tests/ops/test_lora_linear.py``), the whole tiny model within 1e-5."""
     model, inputs = flux(lora_alpha=3)  # scaling 0.75
     ref, out = peft_forward(model, inputs), forward(model, inputs)
     assert len(calls) == LAYERS
@@ -194,12 +204,12 @@ def test_two_adapters_with_weights_and_a_joint_attention_scale(calls: List[Tuple
     model.add_adapter(config(r=2, lora_alpha=4), adapter_name="second")  # scaling 2
     model.set_adapters(["default", "second"], [0.5, 2.0])  # scalings 1 and 4: exact products
     ref = peft_forward(model, inputs)
-    assert torch.equal(forward(model, inputs), ref)
+    assert served_equal(forward(model, inputs), ref)
     assert len(calls) == LAYERS and {n for n, _ in calls} == {2}
     scaled_ref = peft_forward(model, inputs, joint_attention_kwargs={"scale": 0.5})
     assert not torch.equal(scaled_ref, ref)
-    assert torch.equal(forward(model, inputs, joint_attention_kwargs={"scale": 0.5}), scaled_ref)
-    assert torch.equal(forward(model, inputs), ref)  # scale_lora_layers undone after the call
+    assert served_equal(forward(model, inputs, joint_attention_kwargs={"scale": 0.5}), scaled_ref)
+    assert served_equal(forward(model, inputs), ref)  # scale_lora_layers undone after the call
 
 
 def test_hotswap_tensor_scalings(calls: List[Tuple[int, bool]]) -> None:
@@ -218,12 +228,12 @@ def test_hotswap_tensor_scalings(calls: List[Tuple[int, bool]]) -> None:
     layer = model.transformer_blocks[0].attn.to_q
     assert isinstance(layer.scaling["swapped"], torch.Tensor) and layer.lora_A["swapped"].weight.shape[0] == 8
     first = peft_forward(model, inputs)
-    assert torch.equal(forward(model, inputs), first)
+    assert served_equal(forward(model, inputs), first)
     model.load_lora_adapter(state_dict(6, 6), adapter_name="swapped", hotswap=True)
     ref = peft_forward(model, inputs)
     assert not torch.equal(ref, first)
     calls.clear()
-    assert torch.equal(forward(model, inputs), ref)
+    assert served_equal(forward(model, inputs), ref)
     assert len(calls) == LAYERS
 
 
@@ -231,7 +241,7 @@ def test_dropout_in_eval_is_served(calls: List[Tuple[int, bool]]) -> None:
     model, inputs = flux(lora_dropout=0.5)
     model.eval()  # add_adapter creates its dropout modules in training mode
     ref = peft_forward(model, inputs)
-    assert torch.equal(forward(model, inputs), ref) and len(calls) == LAYERS
+    assert served_equal(forward(model, inputs), ref) and len(calls) == LAYERS
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -282,7 +292,7 @@ def test_disabled_merged_and_fan_in_fan_out_get_peft_code(calls: List[Tuple[int,
     assert torch.equal(forward(model, inputs), peft_forward(model, inputs)) and not calls
     model.enable_adapters()
     _layer(model).fan_in_fan_out = True
-    assert torch.equal(forward(model, inputs), peft_forward(model, inputs)) and len(calls) == LAYERS - 1
+    assert served_equal(forward(model, inputs), peft_forward(model, inputs)) and len(calls) == LAYERS - 1
     _layer(model).fan_in_fan_out = False
     calls.clear()
     model.fuse_lora()  # every layer merged
@@ -332,7 +342,7 @@ def test_mixed_batch_other_dtypes_hooks_and_subclasses_get_peft_code(calls: List
         layer.__class__ = Subclass
         assert torch.equal(layer(x), ref) and not calls
         layer.__class__ = lora_layer.Linear
-        assert torch.equal(layer(x), ref) and calls == [(1, False)]
+        assert served_equal(layer(x), ref) and calls == [(1, False)]
 
 
 def test_other_layer_types_keep_their_own_forward(calls: List[Tuple[int, bool]]) -> None:
@@ -366,10 +376,10 @@ def test_gelu_projection_with_and_without_gelu_gemm(calls: List[Tuple[int, bool]
     model, inputs = flux()
     ref = peft_forward(model, inputs)
     with torchpatches.disabled("gelu_gemm"):  # the projection is served, the GELU is diffusers'
-        assert torch.equal(forward(model, inputs), ref)
+        assert served_equal(forward(model, inputs), ref)
     assert len(calls) == LAYERS and not any(gelu for _, gelu in calls)
     calls.clear()
     hook = model.transformer_blocks[0].ff.net[0].proj.register_forward_hook(lambda *args: None)
-    assert torch.equal(forward(model, inputs), ref)  # a hooked projection is called as a module: no GELU epilogue
+    assert served_equal(forward(model, inputs), ref)  # a hooked projection is called as a module: no GELU epilogue
     assert calls.count((1, True)) == GELU_LAYERS - 1 and len(calls) == LAYERS
     hook.remove()

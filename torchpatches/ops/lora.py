@@ -26,10 +26,14 @@ Tiers:
   ``torch.jit.trace``).
 
 Rounding against peft's order (``u = round(t @ B.T)``, ``round(u * s)``, ``round(result + ...)``): fp32 is
-bit-identical when ``scaling`` is a power of two (``s * acc`` is then exact, so whether the GEMM fuses
-``alpha * acc + C`` into one FMA does not matter) and within one rounding of the output otherwise; bf16/fp16
-round once where peft rounds three times (the fused result is the more accurate one). A device-tensor scaling
-rounds ``t * s`` instead of ``u * s``.
+bit-identical when ``scaling`` is a power of two (``s * x`` is then exact, so it does not matter whether the
+GEMM fuses ``alpha * acc + C`` into one FMA or, as MKL does on the CPU, applies ``alpha`` to the packed operand
+before it accumulates); otherwise both are the same products summed with roundings in another order, within
+the GEMM's own error bound (``(rank + 2) * u * (|C| + s * |t| @ |B|.T)``, measured at 3 - 5 units of
+``u = 2**-24``). bf16/fp16 round the sum once where peft rounds three times (the fused result is the more
+accurate one): at most 1 ulp from peft's at the magnitude of the summands, 2 with the GELU (measured on the
+CPU; on an H100, torch 2.11, the fused output was the closer to fp32 for FLUX's shapes). A device-tensor
+scaling rounds ``t * s`` instead of ``u * s``.
 """
 from __future__ import annotations
 

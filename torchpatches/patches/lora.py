@@ -27,9 +27,10 @@ What the patch changes
 
 Tolerance
     fp32: bit-identical to peft when each scaling is a power of two (``lora_alpha / r`` usually is), otherwise
-    within one rounding (the GEMM may fuse ``alpha * acc + C``). bf16/fp16: one rounding of the sum where peft
-    rounds three times (``lora_B``'s output, the product, the sum): the fused result is the more accurate, and
-    differs from peft's by about one ulp of the output (measured in ``tests/patches/test_lora.py``).
+    within the GEMM's own error bound (the GEMM applies ``alpha`` itself: ``ops/lora.py``). bf16/fp16: one
+    rounding of the sum where peft rounds three times (``lora_B``'s output, the product, the sum): the fused
+    result is the more accurate and at most 1 ulp from peft's at the summands' magnitude (2 with the GELU,
+    where diffusers rounds once more; ``tests/patches/test_lora.py``).
 
 Versions
     peft 0.17 - 0.21: ``Linear.forward`` fingerprinted on 0.21.0 (installed, tested) and read from the
