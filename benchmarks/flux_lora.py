@@ -15,6 +15,7 @@ Each case: eager vanilla (every patch reverted) and eager with every patch, alte
 every patch but ``lora``), median of CUDA-event-timed steps; output difference against vanilla.
 
     python benchmarks/flux_lora.py --json lora.json          # GPU
+    python benchmarks/flux_lora.py --layers                   # one layer per FLUX.1-dev shape: op vs peft's order
     python benchmarks/flux_lora.py --tiny                     # CPU smoke test (PyTorch tiers forced)
 """
 from __future__ import annotations
@@ -77,6 +78,34 @@ def cases(model: torch.nn.Module, rank: int) -> List[tuple]:
             ("hotswap", hotswap, {})]
 
 
+#: (name, tokens, in, out, GELU) of FLUX.1-dev's LoRA-wrapped projections (image stream; text: 512 tokens).
+LAYERS = [("to_q/k/v, to_out.0", 4096, 3072, 3072, False), ("ff.net.0.proj (+GELU)", 4096, 3072, 12288, True),
+          ("ff.net.2", 4096, 12288, 3072, False), ("proj_out", 4608, 15360, 3072, False),
+          ("norm1.linear", 1, 3072, 18432, False)]
+
+
+def layers(args: argparse.Namespace) -> Dict[str, Any]:
+    """Each shape once: ``ops.lora.lora_linear`` epilogue tier vs its torch tier (peft's and diffusers' op order)."""
+    from torchpatches.ops.lora import lora_linear
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype, scale = (torch.float32, 16) if args.tiny else (torch.bfloat16, 1)
+    rows: Dict[str, Any] = {}
+    for name, m, k, n, gelu in LAYERS:
+        m, k, n = max(1, m // scale), k // scale, n // scale
+        r = lambda *shape: (torch.randn(*shape, device=device) / shape[-1] ** 0.5).to(dtype)  # noqa: E731
+        x, weight, bias, adapters = r(m, k) * k ** 0.5, r(n, k), r(n), [(r(args.rank, k), r(n, args.rank), 0.7)]
+        row = {}
+        with torch.inference_mode():
+            for tier in ("torch", "epilogue", "torch+", "epilogue+"):
+                step = lambda: lora_linear(x, weight, bias, adapters, gelu=gelu, tier=tier.rstrip("+"))  # noqa: E731
+                row[tier] = measure(step, device, args)["median_ms"] * 1e3
+        rows[name] = row
+        print(f"[layer] {name:<24} {m}x{k}->{n}: peft order {row['torch']:.1f}/{row['torch+']:.1f} us, "
+              f"epilogue {row['epilogue']:.1f}/{row['epilogue+']:.1f} us", flush=True)
+    return rows
+
+
 def measure(step: Callable[[], Any], device: torch.device, args: argparse.Namespace) -> Dict[str, Any]:
     times, host = time_steps(step, device, args.warmup, args.iters)
     return {"median_ms": statistics.median(times), "host_ms": statistics.median(host), "times_ms": times}
@@ -119,6 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--rank", type=int, default=None, help="adapter rank (64; --tiny: 4)")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--layers", action="store_true", help="only the per-layer table (no model)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.rank = args.rank or (4 if args.tiny else 64)
@@ -134,7 +164,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         forced = force_tier("torch")
     t0 = time.perf_counter()
     with forced:
-        results = run(args)
+        results = {"versions": versions(), "layers": layers(args)} if args.layers else run(args)
     results["wall_s"] = time.perf_counter() - t0
     if args.json:
         with open(args.json, "w") as handle:
