@@ -9,9 +9,6 @@ test); the registry's promises. Runs where peft is installed (the ``peft-acceler
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
@@ -135,43 +132,32 @@ def test_applied_with_verified_fingerprint_and_revert_by_identity() -> None:
 
 
 _STATES = """
-import importlib.abc, json, sys
-
-class Hide(importlib.abc.MetaPathFinder):
-    '''peft is not installed, as far as any import can tell (only with argv[1] == "absent").'''
-    def __init__(self, finders):
-        self.finders = finders
-    def find_spec(self, name, path=None, target=None):
-        if name == "peft" or name.startswith("peft."):
-            return None
-        for finder in self.finders:
-            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                return spec
-        return None
-
-if sys.argv[1] == "absent":
-    sys.meta_path[:] = [Hide(list(sys.meta_path))]
+import json, sys
 import torchpatches
 states = [str(torchpatches.status()["lora"])]
-if sys.argv[1] == "present":
+if "peft" not in sys.argv:
     import peft.tuners.lora.layer
     states.append(str(torchpatches.status()["lora"]))
 print(json.dumps(states))
 """
 
 
-@pytest.mark.parametrize("peft_is", ["absent", "present"])
-def test_skipped_without_peft_pending_until_imported(peft_is: str) -> None:
+def test_skipped_without_peft_pending_until_imported_and_its_name_in_the_environment(tmp_path) -> None:
     import json
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    states = json.loads(subprocess.run([sys.executable, "-c", _STATES, peft_is], env=env, check=True,
-                                       capture_output=True, text=True).stdout)
-    if peft_is == "absent":
-        assert states == ["lora: skipped — peft is not installed (needs peft>=0.17,<0.22)"]
-    else:
-        assert states[0].startswith("lora: pending") and states[1].startswith("lora: applied"), states
+    from _fresh import hiding, run_forked
+
+    absent, present, disabled = run_forked([
+        (hiding("peft") + "sys.argv = ['peft']\n" + _STATES, {}),
+        (_STATES, {}),
+        (_STATES, {"TORCHPATCHES_DISABLE": "lora"}),
+    ], tmp_path)
+    for result in (absent, present, disabled):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(absent.stdout) == ["lora: skipped — peft is not installed (needs peft>=0.17,<0.22)"]
+    states = json.loads(present.stdout)
+    assert states[0].startswith("lora: pending") and states[1].startswith("lora: applied"), states
+    assert all(state.startswith("lora: disabled") for state in json.loads(disabled.stdout)), disabled.stdout
 
 
 # ---- served: equal to peft -------------------------------------------------------------------------------
