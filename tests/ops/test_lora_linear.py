@@ -1,9 +1,10 @@
 """``torchpatches.ops.lora.lora_linear``: the GEMM-epilogue tier against peft's op order (the torch tier).
 
 fp32 bit-identical where every scaling is a power of two (``s * acc`` exact, so an FMA of ``alpha * acc + C``
-or an ``alpha`` applied to the packed operand changes nothing), within the GEMM's own error bound otherwise; the GELU is the tanh form on the CPU too
-(``_addmm_activation`` would be the erf one there); calls autograd records get the torch tier. The
-whole-layer cases and half-precision ulps are in ``tests/patches/test_lora.py`` (with peft).
+or an ``alpha`` applied to the packed operand changes nothing), within the GEMM's own error bound otherwise;
+the GELU is the tanh form on the CPU too (``_addmm_activation`` would be the erf one there); calls autograd
+records get the torch tier. The whole-layer cases and half-precision ulps are in ``tests/patches/test_lora.py``
+(with peft).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def make(shape_x, n_out: int, ranks: List[int], scalings, seed: int = 0):
     x = torch.randn(*shape_x, generator=g)
     k = shape_x[-1]
     weight, bias = torch.randn(n_out, k, generator=g), torch.randn(n_out, generator=g)
-    adapters = [(torch.randn(r, k, generator=g), torch.randn(n_out, r, generator=g), s) for r, s in zip(ranks, scalings)]
+    adapters = [(torch.randn(r, k, generator=g), torch.randn(n_out, r, generator=g), s)
+                for r, s in zip(ranks, scalings)]
     return x, weight, bias, adapters
 
 

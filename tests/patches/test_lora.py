@@ -106,7 +106,8 @@ def ulps(a: torch.Tensor, b: torch.Tensor, *magnitudes: torch.Tensor) -> float:
     ``magnitudes`` (the intermediates a rounding error comes from: a sum that cancels to ~0 still carries
     its summands' rounding errors)."""
     big = torch.stack([t.double().abs().broadcast_to(a.shape) for t in (a, b, *magnitudes)]).amax(0)
-    ulp = torch.ldexp(torch.ones_like(big), torch.frexp(big.clamp_min(torch.finfo(a.dtype).tiny))[1] - 1 - MANTISSA[a.dtype])
+    exponent = torch.frexp(big.clamp_min(torch.finfo(a.dtype).tiny))[1]
+    ulp = torch.ldexp(torch.ones_like(big), exponent - 1 - MANTISSA[a.dtype])
     return float(((a.double() - b.double()).abs() / ulp).max())
 
 
@@ -315,7 +316,8 @@ def test_mixed_batch_other_dtypes_hooks_and_subclasses_get_peft_code(calls: List
         assert not calls
         lora_a, lora_b = layer.lora_A["second"], layer.lora_B["second"]
         for change, undo in ((lambda: (lora_a.double(), lora_b.double()), lambda: (lora_a.float(), lora_b.float())),
-                             (lambda: lora_b.register_forward_hook(lambda *args: None), lambda: lora_b._forward_hooks.clear())):
+                             (lambda: lora_b.register_forward_hook(lambda *args: None),
+                              lambda: lora_b._forward_hooks.clear())):
             change()
             with torchpatches.disabled("lora"):
                 ref = layer(x)
