@@ -121,3 +121,31 @@ def test_lora_adapter_loaded_after_a_fused_run(flux1, calls: Dict[str, int]) -> 
     model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
                                       target_modules=["to_q", "to_k", "add_k_proj", "proj_out"]))
     assert _qk_calls(model, inputs, calls) == ALL  # projections are module calls: still fused, peft's output
+
+
+def test_a_remembered_module_can_still_be_collected() -> None:
+    import gc
+    import weakref
+
+    model, inputs = tiny("flux1")
+    block_attn = model.transformer_blocks[0].attn
+    block_attn.forward = block_attn.forward  # a bound method on the instance refers back to the module
+    with force_tier("torch"):
+        run(model, inputs)
+    attn = weakref.ref(block_attn)
+    del block_attn
+    assert attn() in _fused_common._VERDICTS
+    del model
+    gc.collect()
+    assert attn() is None
+
+
+def test_modules_that_cannot_be_remembered_are_checked_each_call() -> None:
+    class Unhashable(torch.nn.Module):
+        __hash__ = None  # type: ignore[assignment]
+
+    made = []
+    for module in (Unhashable(), object.__new__(torch.nn.Linear), "not a module"):
+        assert _fused_common.remembered(module, "key", lambda: made.append(1) or True)
+        assert _fused_common.remembered(module, "key", lambda: made.append(1) or True)
+    assert len(made) == 6

@@ -165,9 +165,10 @@ def _state(module: Any) -> tuple:
     """What a module's verdicts depend on, read from its ``__dict__`` (``nn.Module.__getattr__`` costs more than
     the rest together): its class, its forward hooks, a ``forward`` set on the instance (accelerate's and
     diffusers' hooks), training mode, and its own parameters: which objects (by id: a tensor compared with
-    ``==`` would compare elements), their types, dtypes and devices (``.to()``)."""
+    ``==`` would compare elements), their types, dtypes and devices (``.to()``). Nothing that refers back to
+    the module (a bound ``forward`` would keep it alive through the weak-keyed entry)."""
     d = module.__dict__
-    return (type(module), len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), d.get("forward"), d["training"],
+    return (type(module), len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), "forward" in d, d["training"],
             *((id(p), type(p), p.dtype, p.device) if p is not None else None for p in d["_parameters"].values()))
 
 
@@ -178,14 +179,17 @@ def remembered(module: Any, key: Any, check: Callable[[], bool], children: Tuple
     ``check`` reads several submodules (each ``nn.Module.__getattr__`` costs about a microsecond)."""
     if not isinstance(module, torch.nn.Module):
         return check()
-    modules = module.__dict__["_modules"]
-    state = [_state(module)]
-    for name in children:
-        child = modules.get(name)
-        state.append(None if child is None else (child, _state(child)))
-    entry = _VERDICTS.get(module)
-    if entry is None or entry[0] != state:
-        entry = _VERDICTS[module] = (state, {})
+    try:
+        modules = module.__dict__["_modules"]
+        state = [_state(module)]
+        for name in children:  # by id: the entry must not keep a replaced child (or, through it, module) alive
+            child = modules.get(name)
+            state.append(None if child is None else (id(child), _state(child)))
+        entry = _VERDICTS.get(module)
+        if entry is None or entry[0] != state:
+            entry = _VERDICTS[module] = (state, {})
+    except (KeyError, TypeError):  # a module that skipped Module.__init__, or one that is not hashable
+        return check()
     verdict = entry[1].get(key)
     if verdict is None:
         verdict = entry[1][key] = bool(check())
