@@ -23,8 +23,12 @@ A fused path may only skip diffusers' code where that changes nothing a user can
   dtype would differ), a gradient wanted (inputs or parameters); modules the fused path does not call
   that are not exactly the stock class without hooks (:func:`stock`).
 
+A check that reads several submodules can be decided once per module instance and input signature with
+:func:`remembered` (decided again when the module's or those submodules' state changes: hooks, a
+``forward`` on the instance, training mode, parameters after ``.to()``, a submodule replaced or rebound).
+
 ``pattern_on(name)`` says whether a sibling pattern is applied right now, from the registry's mark on its
-targets (``__torchpatches_patch__``). No state lives here.
+targets (``__torchpatches_patch__``). The only state here is :func:`remembered`'s, weakly keyed by module.
 """
 from __future__ import annotations
 
