@@ -7,9 +7,12 @@ from typing import Any, Dict, Tuple
 import torch
 
 #: The eager fusion patterns.
-FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
+FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
+         "wan_block",
+         "wan_qk_norm_rope")
 #: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
-MODELS = ("flux1", "flux2")
+MODELS = ("flux1", "flux2",
+          "wan")
 #: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
 #: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.
 DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))

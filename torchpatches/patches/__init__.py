@@ -2,4 +2,5 @@
 
 #: Patch modules in the order they apply and are reported.
 PATCH_MODULES = ("inductor_realize", "compile_warnings", "rope", "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
-                 "wan_block")
+                 "wan_block",
+                 "wan_qk_norm_rope")
