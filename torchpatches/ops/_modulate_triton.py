@@ -23,7 +23,7 @@ import torch
 import triton.language as tl
 
 from ._launch import launch as launch_kernel
-from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
+from ._triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
 
 
 def _modulate_kernel(
@@ -52,7 +52,7 @@ def _modulate_kernel(
         sc = tl.load(scale_ptr + (b * c_sb + s * c_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + (b * t_sb + s * t_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_GATE:
-        x = _round_to(x + _round_to(g * y, MID), KIND)
+        x = _round_to(x + _round_to(_mul_rn(g, y, LIBDEVICE), MID), KIND)  # no fma: torch rounds g * y first
     if PLAIN:
         x = _round_to(x + y, KIND)
     if HAS_RES:
@@ -68,7 +68,7 @@ def _modulate_kernel(
             o = _round_to(xc * rstd[:, None] * sc + sh, KIND)
         else:
             n = _round_to(xc * rstd[:, None], MID)
-            u = _round_to(n * _round_to(1.0 + sc, MID), MID)
+            u = _round_to(_mul_rn(n, _round_to(1.0 + sc, MID), LIBDEVICE), MID)
             o = _round_to(u + sh, KIND)
         tl.store(out_ptr + (b * o_sb + s * o_ss)[:, None] + d[None, :], o.to(ty), mask=m)
 

@@ -17,7 +17,7 @@ import torch
 import triton.language as tl
 
 from ._launch import launch as launch_kernel
-from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
+from ._triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
 
 
 def _rms_norm_rope_kernel(
@@ -60,8 +60,9 @@ def _rms_norm_rope_kernel(
         ce, co = tl.split(tl.reshape(cs, [BLOCK_D // 2, 2]))  # Wan reads cos[2i] ...
         se, so = tl.split(tl.reshape(sn, [BLOCK_D // 2, 2]))  # ... and sin[2i + 1]
         a, bb = tl.split(tl.reshape(n, [BLOCK_H, BLOCK_D // 2, 2]))
-        oa = a * ce[None, :] - bb * so[None, :]
-        ob = a * so[None, :] + bb * ce[None, :]
+        # Products rounded before the add, as Wan's fp32 ops (no fused multiply-add).
+        oa = _mul_rn(a, ce[None, :], LIBDEVICE) - _mul_rn(bb, so[None, :], LIBDEVICE)
+        ob = _mul_rn(a, so[None, :], LIBDEVICE) + _mul_rn(bb, ce[None, :], LIBDEVICE)
         n = _round_to(tl.reshape(tl.join(oa, ob), [BLOCK_H, BLOCK_D]), KIND)
     tl.store(dst + col, n.to(ty), mask=m)
 
