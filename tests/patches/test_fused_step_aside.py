@@ -24,7 +24,7 @@ pytest.importorskip("diffusers")
 import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, MODELS, reverted, run, tiny  # noqa: E402
 from diffusers.models import normalization  # noqa: E402
-from diffusers.models.transformers import transformer_flux, transformer_flux2, transformer_wan  # noqa: E402
+from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
 from torchpatches.ops.modulate import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
@@ -208,7 +208,6 @@ REBINDS = {
     "torch.cat": ("flux1", torch, "cat", lambda real: lambda tensors, dim=0: real(list(tensors), dim=dim) + 1),
     "wan F.layer_norm": ("wan", torch.nn.functional, "layer_norm", _half_layer_norm),
     "wan F.rms_norm": ("wan", torch.nn.functional, "rms_norm", _half_layer_norm),
-    "wan dispatch_attention_fn": ("wan", transformer_wan, "dispatch_attention_fn", _half_layer_norm),
 }
 
 

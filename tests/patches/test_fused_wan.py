@@ -17,7 +17,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, reverted, run, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, reverted, run  # noqa: E402
 from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_wan  # noqa: E402
 from torchpatches.ops._tiers import force_tier  # noqa: E402
@@ -28,6 +28,18 @@ pytestmark = pytest.mark.usefixtures("fused_on")
 #: Fused op calls per forward of tiny Wan (2 blocks): per block 4 modulate (norm1 + modulate, gate +
 #: residual + norm2, residual + norm3 + modulate, gate + residual) and 2 rms_norm_rope (self, cross).
 EXPECTED = {"modulate": 8, "rms_norm_rope": 4}
+
+
+def tiny(name: str, dtype: torch.dtype = torch.float32, config: str = "wan-fused"):
+    """The harness's ``wan-fused`` (2 blocks) on 2 frames of 4 x 4 latents: 8 video tokens, 8 text tokens
+    (few token rows keep Triton's interpreter quick)."""
+    from torchpatches._harness import build_model, tiny_inputs
+
+    assert name == "wan"
+    model = build_model(config, dtype=dtype, device=DEVICE)
+    inputs = tiny_inputs(config, dtype=dtype, device=DEVICE, side=4)
+    inputs.pop("return_dict")
+    return model, inputs
 
 
 def _exact_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
@@ -155,11 +167,7 @@ def test_gelu_gemm_serves_wans_feed_forward() -> None:
 def test_i2v_image_context_runs_diffusers_cross_attention(calls: Dict[str, int]) -> None:
     """Wan2.1 I2V's cross-attention (``add_k_proj``, a second attention over the image tokens) runs
     diffusers' processor; the self-attention and the block glue stay fused."""
-    from torchpatches._harness import build_model, tiny_inputs
-
-    model = build_model("wan-fused-i2v", device=DEVICE)
-    inputs = tiny_inputs("wan-fused-i2v", device=DEVICE)
-    inputs.pop("return_dict")
+    model, inputs = tiny("wan", config="wan-fused-i2v")
     ref = reverted(model, inputs)
     with force_tier("torch"):
         out = run(model, inputs)

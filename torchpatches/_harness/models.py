@@ -139,7 +139,8 @@ def tiny_inputs(
     Options (each model takes those that apply to it): ``attention_kwargs`` (passed as
     ``joint_attention_kwargs`` or ``attention_kwargs``, as the model names it); for FLUX.1/FLUX.2
     ``side`` (the latent grid is side x side tokens, 4), ``text_tokens`` (8); for FLUX.1 ``ids_3d``
-    (the deprecated ``[1, S, 3]`` ids); for ``feedforward`` any extra call argument (``scale=0.5``).
+    (the deprecated ``[1, S, 3]`` ids); for Wan ``side`` (2 latent frames of side x side, 8); for
+    ``feedforward`` any extra call argument (``scale=0.5``).
     """
     generator = torch.Generator().manual_seed(1)
 
@@ -210,10 +211,11 @@ def _qwenimage_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor]
 
 
 def _wan_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
-                dtype: torch.dtype) -> Dict[str, Any]:
-    """``image_dim`` in the config (I2V): 4 CLIP image tokens too. The I2V processor splits the context
-    at 512 text tokens (hard-coded in diffusers), so an I2V model gets 512 text tokens."""
-    kwargs = dict(hidden_states=randn(1, 4, 2, 8, 8), timestep=torch.tensor([500], device=device),
+                dtype: torch.dtype, side: int = 8) -> Dict[str, Any]:
+    """2 latent frames of ``side`` x ``side`` (8: 32 tokens with patch (1, 2, 2)). ``image_dim`` in the config
+    (I2V): 4 CLIP image tokens too. The I2V processor splits the context at 512 text tokens (hard-coded in
+    diffusers), so an I2V model gets 512 text tokens."""
+    kwargs = dict(hidden_states=randn(1, 4, 2, side, side), timestep=torch.tensor([500], device=device),
                   encoder_hidden_states=randn(1, 512 if config.get("image_dim") else 8, 32), return_dict=False)
     if config.get("image_dim"):
         kwargs["encoder_hidden_states_image"] = randn(1, 4, config["image_dim"])
