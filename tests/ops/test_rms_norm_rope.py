@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_checks import DTYPES, UNIT, hyp, needs_triton, pair_norm, ulps
+from _fused_checks import DTYPES, HAS_TRITON, UNIT, hyp, needs_triton, pair_norm, ulps
 from torchpatches.ops.rms_norm_rope import rms_norm_rope
 
 HYP = hyp(20)
@@ -155,6 +155,21 @@ def test_bad_input_raises_before_computing() -> None:
         rms_norm_rope(q, torch.randn(1, 4, 8), **kw)
     with pytest.raises(ValueError, match="eps_k"):
         rms_norm_rope(q, q.clone(), **dict(kw, eps_k="1e-6"))
+
+
+def test_gradients_take_the_torch_tier_and_a_kernel_tier_refuses() -> None:
+    q = torch.randn(1, 4, 16, requires_grad=True)
+    k = torch.randn(1, 4, 16)
+    w = torch.rand(16) + 0.5
+    ang = torch.rand(4, 4)
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    oq, ok = rms_norm_rope(q, k, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, cos=cos, sin=sin)
+    assert oq.grad_fn is not None
+    oq.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    if HAS_TRITON:
+        with pytest.raises(ValueError, match="requires grad"):
+            rms_norm_rope(q, k, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, tier="triton")
 
 
 def test_compiles_fullgraph_as_a_custom_op() -> None:
