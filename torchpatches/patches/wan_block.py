@@ -5,9 +5,10 @@ What goes wrong upstream
     rounds once (``.type_as``): ``(norm1(x.float()) * (1 + scale) + shift).type_as(x)``, the gated
     residuals ``(x.float() + out * gate).type_as(x)``, the cross-attention norm
     ``norm2(x.float()).type_as(x)`` (an affine ``FP32LayerNorm``), the plain residual ``x + attn_output``
-    and ``norm3`` + modulate like ``norm1``. In eager mode that is about 25 kernels per block, most of
-    them over fp32 copies of ``[B, S, D]`` (Wan2.1-14B at 480x832x81: 32,760 x 5120, 335 MB per bf16
-    pass): about 78 bf16-sized passes where 13 suffice. ``torch.compile`` fuses them; eager users pay.
+    and ``norm3`` + modulate like ``norm1``. In eager mode that is about 27 kernels per block (the
+    feed-forward's GELU aside), most of them over fp32 copies of ``[B, S, D]`` (Wan2.1-14B at 480x832x81:
+    32,760 x 5120, 335 MB per bf16 pass): about 83 bf16-sized passes where 13 suffice. ``torch.compile``
+    fuses them; eager users pay.
 
 What the patch changes
     The block's ``forward`` keeps every module call (``attn1``, ``attn2``, ``ffn``: LoRA layers and hooks

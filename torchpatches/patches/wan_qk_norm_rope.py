@@ -5,7 +5,7 @@ What goes wrong upstream
     ``torch.nn.RMSNorm`` over the full width (``qk_norm="rms_norm_across_heads"``), then, in self-attention,
     rotates them with a nested ``apply_rotary_emb`` that computes in fp32 through strided views: six fp32
     elementwise kernels, an ``empty_like`` and two strided copies per tensor. For Wan2.1-14B at 480x832x81
-    (32,760 tokens x 5120) that is about 36 bf16-sized passes over q and k per block where 4 suffice.
+    (32,760 tokens x 5120) that is about 38 bf16-sized passes over q and k per block where 4 suffice.
     ``torch.compile`` fuses them; eager users pay.
 
 What the patch changes
