@@ -136,6 +136,16 @@ def test_fused_projections(calls: Dict[str, int]) -> None:
     assert torch.equal(out, ref) and dict(calls) == EXPECTED
 
 
+def test_without_cross_attn_norm(calls: Dict[str, int]) -> None:
+    """``cross_attn_norm=False`` (norm2 is ``nn.Identity``): the gated residual alone fused, norm2 called."""
+    model, inputs = tiny("wan")
+    for block in model.blocks:
+        block.norm2 = torch.nn.Identity()
+    ref = reverted(model, inputs)
+    out = _exact_run(model, inputs)
+    assert torch.equal(out, ref) and dict(calls) == EXPECTED
+
+
 def test_wan22_per_token_modulation(calls: Dict[str, int]) -> None:
     """Wan 2.2 TI2V hands blocks a per-token ``temb`` ``[B, S, 6, D]``: per-token vectors, still fused."""
     model, inputs = tiny("wan")
