@@ -221,7 +221,7 @@ _TWICE = """
 _STATES = "import torchpatches; print({n: s.state.value for n, s in torchpatches.status().items()})"
 _COUNT = "import torchpatches; print(len(torchpatches.status()))"
 DISABLE_ALL = ["all", "ALL", " rope , inductor_realize,compile_warnings adaln,qk_norm_rope, gate_residual,gelu_gemm,SWIGLU "
-               " sd3_qk_norm,SD3_BLOCK lora "]
+               " sd3_qk_norm,SD3_BLOCK lora wan_block,WAN_QK_NORM_ROPE "]
 BAD_VALUES = ["ropee", "\u00e9\u00e9,;;", "x" * 10000]
 
 
