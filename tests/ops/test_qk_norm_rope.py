@@ -159,3 +159,72 @@ def test_compiles_fullgraph_as_a_custom_op() -> None:
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch._dynamo.reset()
     assert F.rms_norm  # the torch tier relies on F.rms_norm (torch >= 2.4)
+
+
+# ---- rms_rounding="diffusers": diffusers' own RMSNorm (QwenImage's legacy Attention) -------------------
+
+
+@needs_triton
+@settings(**HYP)
+@given(cases())
+def test_diffusers_rms_rounding_triton_matches_torch_tier_and_float64(case: Dict[str, Any]) -> None:
+    """The extra rounding before the weight: the same ulp bound against the PyTorch tier, and one more
+    unit roundoff against float64."""
+    (q, k, v), w = case["img"], case["weights"]
+    extra: Dict[str, Any] = {}
+    if case["txt"] is not None:
+        qt, kt, vt = case["txt"]
+        extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3],
+                     eps_q_txt=1e-6, eps_k_txt=1e-5)
+
+    def run(tier: str):
+        return qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
+                            tier=tier, rms_rounding="diffusers", **extra)
+
+    got, ref, exact = run("triton"), run("torch"), reference64(case)
+    limit = 8.0 if case["dtype"] == torch.float32 else 1.0
+    for g, r, e in zip(got[:2], ref[:2], exact[:2]):
+        assert ulps(g, r, pair_norm(r)) <= limit
+        err = ((g.double() - e).abs() / (pair_norm(e) + 1e-30)).max()
+        assert float(err) <= 6 * UNIT[case["dtype"]] + 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_diffusers_rms_rounding_torch_tier_equals_qwenimage_modules(dtype: torch.dtype) -> None:
+    """diffusers' RMSNorm modules + QwenImage's complex ``apply_rotary_emb_qwen`` + torch.cat, bit for bit,
+    with the complex freqs as ``cos = Re``, ``sin = Im`` repeated per pair. Head dim 16: with 4 complex
+    values per head (D = 8) torch's CPU complex product takes another loop that differs by an fp32 ulp
+    (a fused multiply-add), as CUDA's may."""
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v, qt, kt, vt = ((torch.randn(1, n, 2, 16, generator=g) * 2).to(dtype) for n in (5, 5, 5, 3, 3, 3))
+    norms = [RMSNorm(16, eps=1e-6).to(dtype) for _ in range(4)]
+    for n in norms:
+        n.weight.data = (torch.rand(16, generator=g) + 0.5).to(dtype)
+    freqs = torch.polar(torch.ones(8, 8), torch.rand(8, 8, generator=g) * 10)  # [txt rows; image rows]
+    with torch.no_grad():
+        rq = torch.cat([apply_rotary_emb_qwen(norms[2](qt), freqs[:3], use_real=False),
+                        apply_rotary_emb_qwen(norms[0](q), freqs[3:], use_real=False)], 1)
+        rk = torch.cat([apply_rotary_emb_qwen(norms[3](kt), freqs[:3], use_real=False),
+                        apply_rotary_emb_qwen(norms[1](k), freqs[3:], use_real=False)], 1)
+        pairs = torch.view_as_real(freqs)
+        cos, sin = pairs[..., 0].repeat_interleave(2, -1), pairs[..., 1].repeat_interleave(2, -1)
+        oq, ok, ov = qk_norm_rope(q, k, cos, sin, q_weight=norms[0].weight, k_weight=norms[1].weight, eps_q=1e-6,
+                                  eps_k=1e-6, v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=norms[2].weight,
+                                  k_txt_weight=norms[3].weight, eps_q_txt=1e-6, eps_k_txt=1e-6, tier="torch",
+                                  rms_rounding="diffusers")
+    assert torch.equal(oq, rq) and torch.equal(ok, rk) and torch.equal(ov, torch.cat([vt, v], 1))
+    if dtype != torch.float32:  # the rounding before the weight matters: torch's fused RMSNorm differs
+        fused = qk_norm_rope(q, k, cos[3:], sin[3:], q_weight=norms[0].weight, k_weight=norms[1].weight,
+                             eps_q=1e-6, eps_k=1e-6, tier="torch")[0]
+        assert not torch.equal(fused, oq[:, 3:])
+
+
+def test_unknown_rms_rounding_raises() -> None:
+    q = torch.randn(1, 4, 2, 8)
+    cos = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="rms_rounding"):
+        qk_norm_rope(q, q.clone(), cos, cos, q_weight=torch.ones(8), k_weight=torch.ones(8), eps_q=1e-6,
+                     eps_k=1e-6, rms_rounding="once")

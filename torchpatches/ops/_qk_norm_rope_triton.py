@@ -8,6 +8,7 @@ weights / eps), the others the image tensors, and every program writes its rows 
 Per q/k head (fp32 math, rounding where diffusers rounds):
 
     n   = round(x * rsqrt(mean(x^2) + eps) * w)          torch.nn.RMSNorm (torch's fused kernel)
+          (ROUND_NORM: round(round(x * rsqrt(...)) * w), diffusers' own RMSNorm)
     out = round(n * cos + rotate(n) * sin)               diffusers apply_rotary_emb, interleaved pairs
 
 Inputs are 4-D ``[B, S, H, D]`` views with a unit-stride head dim; the image tensors share one set of
@@ -33,6 +34,7 @@ def _qk_norm_rope_kernel(
     S_TXT, S_TOT, H, NHB, eps_q, eps_k, eps_qt, eps_kt,
     i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sr, s_sr,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr, LIBDEVICE: tl.constexpr,
+    ROUND_NORM: tl.constexpr = False,
 ):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // S_TOT
@@ -82,7 +84,10 @@ def _qk_norm_rope_kernel(
         x = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + j, mask=j < D, other=0.0).to(tl.float32)
         rstd = _rsqrt(tl.reduce(x * x, 1, _sum_combine) / D + eps, LIBDEVICE)
-        n = _round_to((x * rstd[:, None]) * w[None, :], KIND)
+        if ROUND_NORM:  # diffusers' RMSNorm: x * rstd rounded to the dtype before the weight
+            n = _round_to(_round_to(x * rstd[:, None], KIND) * w[None, :], KIND)
+        else:
+            n = _round_to((x * rstd[:, None]) * w[None, :], KIND)
         # Interleaved pairs (a, b) = (n[2i], n[2i+1]); rotate(n) = (-b, a); per-element cos/sin rows.
         cs = tl.load(cos_ptr + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
         sn = tl.load(sin_ptr + s * s_sr + j, mask=j < D, other=0.0).to(tl.float32)
@@ -109,6 +114,7 @@ def launch(
     eps: tuple[float, float, float, float],
     cos: torch.Tensor, sin: torch.Tensor,
     q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor],
+    round_norm: bool = False,
 ) -> None:
     """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``."""
     B, S_img, H, D = q.shape
@@ -132,5 +138,6 @@ def launch(
         q_out.stride(0), q_out.stride(1), q_out.stride(2), cos.stride(0), sin.stride(0),
     ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
+        ROUND_NORM=round_norm,
         num_warps=2 if block_h * 2 * half >= 512 else 1,
     ))

@@ -18,6 +18,10 @@ interleaved pairs (diffusers' FLUX ``FluxPosEmbed`` / ``Flux2PosEmbed`` output).
 
 Numerics: torch.nn.RMSNorm (fp32 statistics, ``x * rstd * w`` rounded once, as torch's fused kernel)
 followed by diffusers' ``apply_rotary_emb`` (fp32 ``n * cos + rotate(n) * sin``, rounded once).
+``rms_rounding="diffusers"`` is diffusers' own ``RMSNorm`` instead (the legacy ``Attention``'s
+``qk_norm="rms_norm"``, QwenImage): ``x * rstd`` rounded to the dtype, then ``* w`` rounded again.
+QwenImage's complex RoPE (``apply_rotary_emb_qwen(use_real=False)``) is the same interleaved
+rotation with ``cos = Re(freqs)``, ``sin = Im(freqs)`` repeated per pair.
 Differences from diffusers come only from fp32 reduction order / fused multiply-adds crossing a
 rounding boundary: at most one ulp of the output dtype.
 
@@ -36,8 +40,10 @@ from . import _args, _dispatch
 from ._memory import check_no_overlap
 from ._tiers import choose_tier, force_tier, needs_grad
 
-__all__ = ["qk_norm_rope", "force_tier"]
+__all__ = ["qk_norm_rope", "force_tier", "RMS_ROUNDINGS"]
 
+#: ``"fused"``: torch.nn.RMSNorm (one rounding); ``"diffusers"``: diffusers' RMSNorm (rounded before the weight).
+RMS_ROUNDINGS = ("fused", "diffusers")
 
 
 # ------------------------------------------------------------------------------------------ torch tier
@@ -51,12 +57,19 @@ def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
 
 
-def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin):
-    q = F.rms_norm(q, (q.shape[-1],), wq, eps[0])
-    k = F.rms_norm(k, (k.shape[-1],), wk, eps[1])
+def _diffusers_rms_norm(x: torch.Tensor, shape: tuple, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # diffusers.models.normalization.RMSNorm.forward (weight of x's dtype, no bias)
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    return (x * torch.rsqrt(variance + eps)).to(w.dtype) * w
+
+
+def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, rms_rounding="fused"):
+    rms = _diffusers_rms_norm if rms_rounding == "diffusers" else F.rms_norm
+    q = rms(q, (q.shape[-1],), wq, eps[0])
+    k = rms(k, (k.shape[-1],), wk, eps[1])
     if qt is not None:
-        q = torch.cat([F.rms_norm(qt, (qt.shape[-1],), wqt, eps[2]), q], dim=1)
-        k = torch.cat([F.rms_norm(kt, (kt.shape[-1],), wkt, eps[3]), k], dim=1)
+        q = torch.cat([rms(qt, (qt.shape[-1],), wqt, eps[2]), q], dim=1)
+        k = torch.cat([rms(kt, (kt.shape[-1],), wkt, eps[3]), k], dim=1)
         v = torch.cat([vt, v], dim=1)
     return [_rope_torch(q, cos, sin), _rope_torch(k, cos, sin), v]
 
@@ -64,10 +77,10 @@ def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin):
 # ------------------------------------------------------------------------------------------ dispatch
 
 
-def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, tier) -> list[torch.Tensor]:
+def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, tier, rms_rounding="fused") -> list[torch.Tensor]:
     eps = tuple(eps)
     if tier == "torch":
-        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin)
+        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, rms_rounding)
     from . import _qk_norm_rope_triton
 
     B, S, H, D = q.shape
@@ -75,7 +88,8 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, tier) -> list[to
     new = lambda: torch.empty((B, S_all, H, D), dtype=q.dtype, device=q.device)  # noqa: E731
     q_out, k_out = new(), new()
     v_out = new() if qt is not None else None
-    _qk_norm_rope_triton.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out)
+    _qk_norm_rope_triton.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out,
+                                round_norm=rms_rounding == "diffusers")
     return [q_out, k_out, v_out if v_out is not None else v]
 
 
@@ -84,15 +98,16 @@ def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]
                      k_txt: Optional[torch.Tensor], v_txt: Optional[torch.Tensor], q_weight: torch.Tensor,
                      k_weight: torch.Tensor, q_txt_weight: Optional[torch.Tensor],
                      k_txt_weight: Optional[torch.Tensor], eps: list[float], cos: torch.Tensor,
-                     sin: torch.Tensor, tier: str) -> list[torch.Tensor]:
+                     sin: torch.Tensor, tier: str, rms_rounding: str = "fused") -> list[torch.Tensor]:
     outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, tuple(eps),
-                 cos, sin, tier)
+                 cos, sin, tier, rms_rounding)
     # A custom op may not return an input (v without text tensors): hand back a copy when traced.
     return [o.clone() if o is v else o for o in outs if o is not None]
 
 
 @_qk_norm_rope_op.register_fake
-def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, eps, cos, sin, tier):
+def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, eps, cos, sin, tier,
+      rms_rounding="fused"):
     B, S, H, D = q.shape
     S_all = S + (q_txt.shape[1] if q_txt is not None else 0)
     n = 3 if v is not None else 2
@@ -154,12 +169,15 @@ def qk_norm_rope(
     eps_q_txt: Optional[float] = None,
     eps_k_txt: Optional[float] = None,
     tier: Optional[str] = None,
+    rms_rounding: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """RMSNorm q and k per head, concat text rows in front (if given), rotate q and k; returns (q, k, v).
 
     Raises:
         ValueError: on any input that does not fit, before anything is computed.
     """
+    if rms_rounding not in RMS_ROUNDINGS:
+        raise ValueError(f"rms_rounding must be one of {RMS_ROUNDINGS}, got {rms_rounding!r}")
     q = _check_4d(q, "q", None)
     k = _check_4d(k, "k", q)
     if k.shape != q.shape:
@@ -200,5 +218,5 @@ def qk_norm_rope(
     grad = needs_grad(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, cos, sin)
     chosen = choose_tier(q.device.type, tier, grad)
     outs = _dispatch.run(q, grad, _impl, _qk_norm_rope_op, q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos,
-                         sin, chosen)
+                         sin, chosen, rms_rounding)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)
