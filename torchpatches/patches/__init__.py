@@ -1,4 +1,6 @@
 """One module per patch; each exports ``PATCH`` (a :class:`torchpatches._declare.Patch`)."""
 
 #: Patch modules in the order they apply and are reported.
-PATCH_MODULES = ("inductor_realize", "compile_warnings", "rope", "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
+PATCH_MODULES = ("inductor_realize", "compile_warnings", "rope", "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
+                 "qwenimage_block",
+                 "qwenimage_qk_norm_rope")
