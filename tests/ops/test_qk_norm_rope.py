@@ -53,7 +53,7 @@ def cases(draw: Any) -> Dict[str, Any]:
                 cos=ang.cos().repeat_interleave(2, -1).float(), sin=ang.sin().repeat_interleave(2, -1).float())
 
 
-def call(case: Dict[str, Any], tier: str):
+def call(case: Dict[str, Any], tier: str, **options: Any):
     (q, k, v), w = case["img"], case["weights"]
     extra: Dict[str, Any] = {}
     if case["txt"] is not None:
@@ -61,7 +61,7 @@ def call(case: Dict[str, Any], tier: str):
         extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3],
                      eps_q_txt=1e-6, eps_k_txt=1e-5)
     return qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
-                        tier=tier, **extra)
+                        tier=tier, **extra, **options)
 
 
 def reference64(case: Dict[str, Any]):
@@ -170,18 +170,8 @@ def test_compiles_fullgraph_as_a_custom_op() -> None:
 def test_diffusers_rms_rounding_triton_matches_torch_tier_and_float64(case: Dict[str, Any]) -> None:
     """The extra rounding before the weight: the same ulp bound against the PyTorch tier, and one more
     unit roundoff against float64."""
-    (q, k, v), w = case["img"], case["weights"]
-    extra: Dict[str, Any] = {}
-    if case["txt"] is not None:
-        qt, kt, vt = case["txt"]
-        extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3],
-                     eps_q_txt=1e-6, eps_k_txt=1e-5)
-
-    def run(tier: str):
-        return qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
-                            tier=tier, rms_rounding="diffusers", **extra)
-
-    got, ref, exact = run("triton"), run("torch"), reference64(case)
+    got, ref = call(case, "triton", rms_rounding="diffusers"), call(case, "torch", rms_rounding="diffusers")
+    exact = reference64(case)
     limit = 8.0 if case["dtype"] == torch.float32 else 1.0
     for g, r, e in zip(got[:2], ref[:2], exact[:2]):
         assert ulps(g, r, pair_norm(r)) <= limit
