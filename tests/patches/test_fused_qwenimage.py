@@ -60,17 +60,16 @@ def test_fused_path_equals_diffusers(dtype: torch.dtype, calls: Dict[str, int]) 
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernels_in_the_model(dtype: torch.dtype, calls: Dict[str, int]) -> None:
-    """The Triton kernels (interpreter): fp32 within 1e-5, bf16 within one ulp carried through two blocks."""
+def test_triton_kernels_in_the_model(calls: Dict[str, int]) -> None:
+    """The Triton kernels (interpreter), bf16: one-ulp differences at most, carried through two blocks of bf16
+    GEMMs (fp32 models run the kernels in test_a_rebound_global_is_what_runs, within 1e-5)."""
     pytest.importorskip("triton")
-    model, inputs = _model(dtype)
+    model, inputs = _model(torch.bfloat16)
     ref = reverted(model, inputs)
     with force_tier("triton"):
         out = run(model, inputs)
     assert dict(calls) == EXPECTED
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_cpu_without_a_forced_tier_runs_diffusers(calls: Dict[str, int]) -> None:
