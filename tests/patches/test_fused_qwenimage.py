@@ -112,6 +112,18 @@ def test_mask_forms_equal_diffusers(mask: str, calls: Dict[str, int]) -> None:
     assert dict(calls) == {"modulate": 6, "qk_norm_rope": 1}
 
 
+def test_processor_replacement_shows_the_original_signature() -> None:
+    """diffusers' ``Attention.forward`` drops keyword arguments the processor's signature does not name."""
+    import inspect
+
+    replacement = vars(qwen.QwenDoubleStreamAttnProcessor2_0)["__call__"]
+    original = replacement.__torchpatches_original__
+    assert replacement is not original
+    assert inspect.signature(replacement) == inspect.signature(original)
+    names = inspect.signature(qwen.QwenDoubleStreamAttnProcessor2_0().__call__).parameters
+    assert {"encoder_hidden_states_mask", "image_rotary_emb"} <= set(names)
+
+
 def test_external_attention_mask_gets_diffusers_error(calls: Dict[str, int]) -> None:
     model, inputs = _model()
     with force_tier("torch"), pytest.raises(ValueError, match="external attention_mask"):

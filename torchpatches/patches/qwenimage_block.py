@@ -24,7 +24,7 @@ Tolerance
     (one ulp where the fp32 statistics differ in their last bit), the gate + residual bit-identical.
 
 Versions
-    diffusers 0.42.x (fingerprint verified on 0.42.1); torch >= 2.4.
+    diffusers 0.42.x (fingerprint verified on 0.42.1; 0.42.0's source of the target is the same); torch >= 2.4.
 
 When to delete
     When diffusers fuses the block glue for eager mode.
@@ -97,7 +97,7 @@ PATCH = Patch(
     targets=(
         Target(f"{_QWEN}:QwenImageTransformerBlock.forward",
                make_replacement=fused("qwenimage_block", _block, LAYER_NORM),
-               fingerprints=frozenset({"c14d21c1ab218e72"})),  # diffusers 0.42.1
+               fingerprints=frozenset({"c14d21c1ab218e72"})),  # diffusers 0.42.0, 0.42.1
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
 )

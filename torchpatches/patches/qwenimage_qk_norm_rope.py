@@ -30,7 +30,7 @@ Tolerance
     fp32 reduction order and fused multiply-adds may move a result by one ulp (``ops/qk_norm_rope.py``).
 
 Versions
-    diffusers 0.42.x (fingerprint verified on 0.42.1; the processor differs in older releases); torch >= 2.4.
+    diffusers 0.42.x (fingerprint verified on 0.42.1; 0.42.0's source of the target is the same); torch >= 2.4.
 
 When to delete
     When diffusers fuses q/k norm and RoPE for eager mode (e.g. through its kernels hub).
@@ -192,7 +192,7 @@ PATCH = Patch(
     targets=(
         Target(f"{_QWEN}:QwenDoubleStreamAttnProcessor2_0.__call__",
                make_replacement=_keeps_signature(fused("qwenimage_qk_norm_rope", _processor, _ASSUMES)),
-               fingerprints=frozenset({"6d1be42e5eb224d8"})),  # diffusers 0.42.1
+               fingerprints=frozenset({"6d1be42e5eb224d8"})),  # diffusers 0.42.0, 0.42.1
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
 )
