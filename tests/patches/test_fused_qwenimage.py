@@ -60,6 +60,21 @@ def test_fused_path_equals_diffusers(dtype: torch.dtype, calls: Dict[str, int]) 
     assert torch.equal(out, ref)
 
 
+def test_batch_of_two_with_different_masks(calls: Dict[str, int]) -> None:
+    """Two samples (per-sample modulation vectors and text masks; the attention output split into
+    non-contiguous slices before the output projections), PyTorch tier: diffusers' values bit for bit."""
+    model, inputs = _model(torch.bfloat16)
+    for name in ("hidden_states", "encoder_hidden_states"):
+        inputs[name] = torch.cat([inputs[name], inputs[name] * 0.5])
+    inputs.update(timestep=torch.tensor([0.5, 0.7], device=DEVICE, dtype=torch.bfloat16),
+                  encoder_hidden_states_mask=torch.tensor([[1] * 8, [1] * 5 + [0] * 3], device=DEVICE),
+                  img_shapes=[[(1, 4, 4)], [(1, 4, 4)]])
+    ref = reverted(model, inputs)
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and dict(calls) == EXPECTED
+
+
 def test_triton_kernels_in_the_model(calls: Dict[str, int]) -> None:
     """The Triton kernels (interpreter), bf16: one-ulp differences at most, carried through two blocks of bf16
     GEMMs (fp32 models run the kernels in test_a_rebound_global_is_what_runs, within 1e-5)."""
