@@ -93,6 +93,13 @@ def test_cpu_without_a_forced_tier_runs_diffusers(calls: Dict[str, int]) -> None
     assert not calls
 
 
+def test_float64_gets_diffusers_code(calls: Dict[str, int]) -> None:
+    model, inputs = _model(torch.float64)
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, reverted(model, inputs)) and not calls
+
+
 @pytest.mark.parametrize("off", QWEN)
 def test_each_pattern_off_alone_still_equal(off: str, calls: Dict[str, int]) -> None:
     model, inputs = _model(torch.bfloat16)
