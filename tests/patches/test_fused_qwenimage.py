@@ -211,6 +211,23 @@ def test_hooked_norms_get_diffusers_code(calls: Dict[str, int]) -> None:
     assert dict(calls) == {"modulate": 7, "qk_norm_rope": 1}
 
 
+def test_accelerate_and_diffusers_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
+    """Hooks that replace an instance's ``forward`` (accelerate's offloading, diffusers' hook registry) on a
+    module the fused path would skip: that block / that processor runs diffusers' code."""
+    accelerate_hooks = pytest.importorskip("accelerate.hooks")
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    model, inputs = _model()
+    ref = reverted(model, inputs)
+    accelerate_hooks.add_hook_to_module(model.transformer_blocks[0].txt_norm1, accelerate_hooks.ModelHook())
+    HookRegistry.check_if_exists_or_initialize(model.transformer_blocks[1].attn.norm_q).register_hook(
+        ModelHook(), "spy")
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    assert dict(calls) == {"modulate": 7, "qk_norm_rope": 1}
+
+
 def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
     peft = pytest.importorskip("peft")
     model, inputs = _model()
