@@ -177,6 +177,17 @@ def test_new_freqs_and_masks_are_not_served_from_the_cache(calls: Dict[str, int]
     assert not _qwenimage_tables.joint_mask(mask, hidden)[0, 0, 0, 7]
 
 
+def test_inference_mode_is_served_without_the_cache(calls: Dict[str, int]) -> None:
+    """Inference tensors have no version counter: served, but nothing cached (each block builds its own)."""
+    model, inputs = _model(torch.bfloat16)
+    ref = reverted(model, inputs)
+    with torch.inference_mode(), force_tier("torch"):
+        out = model(**inputs, return_dict=False)[0]
+        cached = list(_qwenimage_tables._TABLES.keys()) + list(_qwenimage_tables._MASKS.keys())
+        assert not any(t.is_inference() for t in cached)
+    assert torch.equal(out, ref) and dict(calls) == EXPECTED
+
+
 def test_cache_entries_die_with_their_tensors() -> None:
     import gc
 
