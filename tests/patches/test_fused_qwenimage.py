@@ -181,10 +181,16 @@ def test_inference_mode_is_served_without_the_cache(calls: Dict[str, int]) -> No
     """Inference tensors have no version counter: served, but nothing cached (each block builds its own)."""
     model, inputs = _model(torch.bfloat16)
     ref = reverted(model, inputs)
-    with torch.inference_mode(), force_tier("torch"):
-        out = model(**inputs, return_dict=False)[0]
-        cached = list(_qwenimage_tables._TABLES.keys()) + list(_qwenimage_tables._MASKS.keys())
-        assert not any(t.is_inference() for t in cached)
+    seen: Dict[str, Any] = {}
+    hook = model.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
+    try:
+        with torch.inference_mode(), force_tier("torch"):
+            out = model(**inputs, return_dict=False)[0]
+    finally:
+        hook.remove()
+    img_freqs, mask = seen["image_rotary_emb"][0], seen["encoder_hidden_states_mask"]  # alive: entries would be
+    assert img_freqs.is_inference() and mask.is_inference()
+    assert img_freqs not in _qwenimage_tables._TABLES and mask not in _qwenimage_tables._MASKS
     assert torch.equal(out, ref) and dict(calls) == EXPECTED
 
 
