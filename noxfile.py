@@ -170,7 +170,8 @@ for _version, (_why, _args) in DIFFUSERS.items():
 
 @nox.session(name="peft-accelerate", tags=["extras"])
 def peft_accelerate(session: nox.Session) -> None:
-    """The fusion patches with a LoRA-loaded (peft) model and accelerate hooks, under torch 2.13.0.
+    """The fusion patches with a LoRA-loaded (peft) model and accelerate hooks, and the ``lora`` pattern, under
+    torch 2.13.0.
 
     A session of its own: the [test] extra leaves peft out, because compile_warnings' "no PEFT
     backend" cases need peft absent, so in the tests-<torch> sessions these cases skip.
@@ -180,6 +181,7 @@ def peft_accelerate(session: nox.Session) -> None:
     session.run("python", "-c", "import peft, accelerate, accelerate.hooks, torch; "
                 "print(f'peft {peft.__version__}, accelerate {accelerate.__version__}, torch {torch.__version__}')")
     _pytest(session, "tests/patches/test_fused_patches.py", "-k", "lora or accelerate", "-rs")
+    _pytest(session, "tests/patches/test_lora.py", "-rs")  # the lora pattern (peft's LoRA layers)
 
 
 @nox.session(python=False)

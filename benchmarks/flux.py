@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
+import os
 import statistics
 import sys
 import time
@@ -34,29 +34,14 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from torchpatches import _harness as harness
+from torchpatches import _harness as harness  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _bench beside this file
+import _bench  # noqa: E402
 
 def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> List[float]:
     """Per-step milliseconds: CUDA events on a GPU, perf_counter after a synchronize elsewhere."""
-    for _ in range(warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return times
-    times = []
-    for _ in range(iters):
-        start_s = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - start_s) * 1e3)
-    return times
+    return _bench.time_steps(step, device, warmup, iters)[0]
 
 
 @contextlib.contextmanager
@@ -143,24 +128,7 @@ def bench_rope_micro(device: torch.device, tokens: int, config: Dict[str, Any], 
 
 def profile_gpu(step: Callable[[], Any], steps: int = 2) -> Dict[str, Any]:
     """Per step: GPU kernel time in total, in RoPE-like kernels, and the top kernels (torch.profiler)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    kernels = []
-    for event in prof.key_averages():
-        if getattr(event, "device_type", None) != DeviceType.CUDA:
-            continue
-        us = getattr(event, "self_device_time_total", None)
-        if us is None:
-            us = event.self_cuda_time_total
-        kernels.append((event.key[:120], us / steps / 1e3, event.count / steps))
-    kernels.sort(key=lambda row: -row[1])
+    kernels = _bench.kernel_times(step, steps)
     return {
         "gpu_kernel_ms_per_step": sum(row[1] for row in kernels),
         "rope_kernel_ms_per_step": sum(row[1] for row in kernels if "rope" in row[0].lower()),
@@ -179,26 +147,6 @@ def graph_time_us(call: Callable[[], Any], iters: int) -> float:
     with torch.cuda.graph(graph):
         call()
     return statistics.median(time_steps(graph.replay, torch.device("cuda"), warmup=5, iters=iters)) * 1e3
-
-
-def versions() -> Dict[str, str]:
-    import diffusers
-
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "cuda": str(torch.version.cuda),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = "absent"
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
 
 
 def print_table(results: Dict[str, Any]) -> None:
@@ -247,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: Dict[str, Any] = {
         "config": dict(config, name=config_name, image_side=image_side, text_tokens=text_tokens, batch=1,
                        dtype=str(dtype)),
-        "versions": versions(),
+        "versions": _bench.versions(),
         "warmup": warmup,
         "iters": iters,
         "regional_compile": args.regional,

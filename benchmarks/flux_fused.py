@@ -24,35 +24,33 @@ a real one. Results: a table at the end and ``--json PATH`` (rewritten after eve
 
     python benchmarks/flux_fused.py --models flux1 --json out.json --profile          # GPU
     python benchmarks/flux_fused.py --tiny                                             # CPU smoke test
+
+``dit.py`` measures every DiT (these two included) with regional and full compile, per-row profiles and
+alternated rounds; this script stays for ``gpu_session.sh``'s FLUX.1 before/after re-check (its JSON layout).
+The model configs, inputs and timing helpers live in ``_dit_models.py`` and ``_bench.py`` (re-exported here).
 """
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _bench, _dit_models beside this file
+import _bench  # noqa: E402,I001  (before torch: turns Inductor's caches off)
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
-from typing import Any, Callable, Dict, Iterator, List, Optional  # noqa: E402
+from typing import Any, Callable, Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
+from _bench import kernel_class, profile, rel_err, state, time_steps, versions  # noqa: E402,F401  (re-exported)
+from _dit_models import SPECS, flux_inputs as inputs  # noqa: E402,F401  (re-exported)
+
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu")
 
-CONFIGS: Dict[str, Dict[str, Any]] = {
-    "flux1": dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                  num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
-                  guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
-    "flux2": dict(patch_size=1, in_channels=128, num_layers=2, num_single_layers=12, attention_head_dim=128,
-                  num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256,
-                  mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True),
-}
+CONFIGS: Dict[str, Dict[str, Any]] = {name: SPECS[name].config for name in ("flux1", "flux2")}
 TINY: Dict[str, Dict[str, Any]] = {
     "flux1": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
@@ -67,156 +65,7 @@ APPLIES = {"flux1": ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm"),
 
 
 def build(name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    from diffusers import Flux2Transformer2DModel, FluxTransformer2DModel
-
-    cls = FluxTransformer2DModel if name == "flux1" else Flux2Transformer2DModel
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            torch.manual_seed(0)
-            model = cls(**config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
-
-
-def inputs(name: str, config: Dict[str, Any], side: int, text: int, device: torch.device,
-           dtype: torch.dtype) -> Dict[str, Any]:
-    """As the pipelines pass them: packed latents, ids [S, 3] (FLUX.1) / [S, 4] (FLUX.2), timestep in [0, 1]."""
-    grid = side // 16
-    gen = torch.Generator(device="cpu").manual_seed(1)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
-
-    axes = 3 if name == "flux1" else 4
-    img_ids = torch.zeros(grid, grid, axes)
-    img_ids[..., 1] = torch.arange(grid)[:, None]
-    img_ids[..., 2] = torch.arange(grid)[None, :]
-    txt_ids = torch.zeros(text, axes)
-    if name == "flux2":
-        txt_ids[:, 3] = torch.arange(text)
-    out = dict(
-        hidden_states=randn(1, grid * grid, config["in_channels"]),
-        encoder_hidden_states=randn(1, text, config["joint_attention_dim"]),
-        timestep=torch.tensor([0.5], device=device, dtype=dtype),
-        guidance=torch.tensor([3.5], device=device, dtype=torch.float32),
-        img_ids=img_ids.reshape(-1, axes).to(device),
-        txt_ids=txt_ids.to(device),
-        return_dict=False,
-    )
-    if name == "flux1":
-        out["pooled_projections"] = randn(1, config["pooled_projection_dim"])
-    return out
-
-
-def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int
-               ) -> tuple[List[float], List[float]]:
-    """(step ms from CUDA events, host ms to enqueue the step): host close to step means CPU-bound."""
-    for _ in range(warmup):
-        step()
-    times, host = [], []
-    if device.type != "cuda":
-        for _ in range(iters):
-            t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e3)
-        return times, times
-    torch.cuda.synchronize()
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t = time.perf_counter()
-        step()
-        host.append((time.perf_counter() - t) * 1e3)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times, host
-
-
-_ATTENTION = re.compile(r"sdpa|flash|fmha|attention|attn", re.I)
-_GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitk|matmul|_mm_|sm90_", re.I)
-
-
-def kernel_class(name: str) -> str:
-    if _ATTENTION.search(name):
-        return "attention"
-    if _GEMM.search(name):
-        return "gemm"
-    return "other"
-
-
-def profile(step: Callable[[], Any], steps: int = 2) -> Dict[str, Any]:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    step()
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    kernels = []
-    for event in prof.key_averages():
-        if getattr(event, "device_type", None) != DeviceType.CUDA:
-            continue
-        us = getattr(event, "self_device_time_total", None)
-        if us is None:
-            us = event.self_cuda_time_total
-        kernels.append((event.key[:140], us / steps / 1e3, event.count / steps))
-    kernels.sort(key=lambda row: -row[1])
-    by_class: Dict[str, float] = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
-    for key, ms, _ in kernels:
-        by_class[kernel_class(key)] += ms
-    return {
-        "gpu_kernel_ms": sum(row[1] for row in kernels),
-        "ms_by_class": by_class,
-        "launches_per_step": sum(row[2] for row in kernels),
-        "top": kernels[:30],
-    }
-
-
-@contextlib.contextmanager
-def state(variant: str) -> Iterator[None]:
-    """Put torchpatches into the variant's state; restore the previous state afterwards."""
-    import torchpatches
-
-    base = variant.rstrip("+")
-    if base == "vanilla":
-        with torchpatches.disabled():
-            yield
-        return
-    torchpatches.apply()
-    if base == "all":
-        yield
-    elif base.startswith("-"):
-        with torchpatches.disabled(base[1:]):
-            yield
-    else:
-        raise ValueError(f"unknown variant {variant!r}")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def versions() -> Dict[str, str]:
-    import diffusers
-
-    info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "cuda": str(torch.version.cuda),
-            "python": sys.version.split()[0]}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = "absent"
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
+    return _bench.build(SPECS[name].cls_name, config, device, dtype)
 
 
 def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any], save: Callable[[], None]) -> None:
@@ -277,11 +126,8 @@ def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any], save
 
 def record(name: str, entry: Dict[str, Any], refs: Dict[str, torch.Tensor], mode: str, variant: str,
            times: List[float], host: List[float], first_s: float, out: torch.Tensor) -> None:
-    times_sorted = sorted(times)
-    row: Dict[str, Any] = {"median_ms": statistics.median(times), "p10_ms": times_sorted[len(times) // 10],
-                           "p90_ms": times_sorted[min(len(times) - 1, (len(times) * 9) // 10)],
-                           "host_ms": statistics.median(host), "times_ms": times,
-                           "first_call_s": first_s, "finite": bool(torch.isfinite(out).all())}
+    row: Dict[str, Any] = dict(_bench.summary(times), host_ms=_bench.summary(host)["median_ms"], times_ms=times,
+                               first_call_s=first_s, finite=bool(torch.isfinite(out).all()))
     key = f"{mode}/{variant}"
     if key == "eager/vanilla":
         refs["eager"] = out.float().clone()
@@ -348,13 +194,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import torchpatches
 
-    results: Dict[str, Any] = {"versions": versions(), "models": {},
-                               "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:])}
+    results: Dict[str, Any] = {"versions": versions(), "models": {}, "command": _bench.command_line(argv)}
 
     def save() -> None:
-        if args.json:
-            with open(args.json, "w") as handle:
-                json.dump(results, handle, indent=2)
+        _bench.save_json(args.json, results)
 
     forced = contextlib.nullcontext()
     if args.tiny:  # CPU: let the patches run their fused path through the PyTorch tier
@@ -362,8 +205,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         forced = force_tier("torch")
     if args.after_compile:
-        device = torch.device("cpu" if args.tiny else "cuda")
-        torch.compile(lambda x: (x * 2).sin().sum())(torch.ones(4, device=device))
+        _bench.compile_once(torch.device("cpu" if args.tiny else "cuda"))
         results["after_compile"] = True
     with forced:
         for name in [m for m in args.models.split(",") if m]:

@@ -61,6 +61,30 @@ _SERVER = textwrap.dedent(
 )
 
 
+def hiding(package: str) -> str:
+    """Code that makes ``package`` and its submodules not installed, as far as any import can tell: every
+    finder on ``sys.meta_path`` is asked through one that answers None for them (``find_spec`` too)."""
+    return textwrap.dedent(
+        f"""
+        import importlib.abc, sys
+
+        class Without(importlib.abc.MetaPathFinder):
+            def __init__(self, finders):
+                self.finders = finders
+            def find_spec(self, name, path=None, target=None):
+                if name == {package!r} or name.startswith({package!r} + "."):
+                    return None
+                for finder in self.finders:
+                    spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+                    if spec is not None:
+                        return spec
+                return None
+
+        sys.meta_path[:] = [Without(list(sys.meta_path))]
+        """
+    )
+
+
 def run_forked(cases: Sequence[Case], folder: Path, prelude: str = "import torch") -> List[Result]:
     """Run each case's code in a fork of one child process that ran ``prelude`` (not importing torchpatches).
 

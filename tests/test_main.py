@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _fresh import hiding
 from torchpatches import __main__ as cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,23 +76,8 @@ def test_status_json_into_a_closed_pipe_exits_141_quietly() -> None:
 
 # ---- item 16: torch not installed ----------------------------------------------------------------------------
 
-_WITHOUT_TORCH = """
-import importlib.abc, runpy, sys
-
-class WithoutTorch(importlib.abc.MetaPathFinder):
-    '''torch is not installed, as far as any import can tell.'''
-    def __init__(self, finders):
-        self.finders = finders
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            return None
-        for finder in self.finders:
-            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                return spec
-        return None
-
-sys.meta_path[:] = [WithoutTorch(list(sys.meta_path))]
+_WITHOUT_TORCH = hiding("torch") + """
+import runpy
 sys.argv = ["x", "--json"]
 runpy.run_module("torchpatches", run_name="__main__")
 """

@@ -24,7 +24,7 @@ from torchpatches.ops._tiers import force_tier  # noqa: E402
 pytestmark = pytest.mark.usefixtures("fused_on")
 
 
-@pytest.mark.parametrize("which", ["flux1", "flux2"])
+@pytest.mark.parametrize("which", ["flux1", "flux2", "sd3"])
 def test_text_embeddings_needing_grad_get_diffusers_code(which: str, calls: Dict[str, int]) -> None:
     """Prompt tuning / textual inversion: a frozen model, encoder_hidden_states requiring grad. The image
     stream needs no grad, so the attention processor must look at the text stream too: its q/k/v would go

@@ -55,6 +55,19 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
         pos_embed_max_size=8,
     )),
+    # SD3.5-style (qk_norm="rms_norm"): 2 blocks, the last context_pre_only (AdaLayerNormContinuous, no
+    # to_add_out). Pinned on it: the sd3 fused patterns' call counts (tests/patches/test_fused_sd3.py).
+    "sd3-fused": ("SD3Transformer2DModel", dict(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
+        pos_embed_max_size=8, qk_norm="rms_norm",
+    )),
+    # SD3.5-medium-style MMDiT-X: block 0 with dual attention (SD35AdaLayerNormZeroX, attn2).
+    "sd3-dual": ("SD3Transformer2DModel", dict(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
+        pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,),
+    )),
     "qwenimage": ("QwenImageTransformer2DModel", dict(
         patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),

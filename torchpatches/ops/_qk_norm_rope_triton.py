@@ -8,8 +8,12 @@ weights / eps), the others the image tensors, and every program writes its rows 
 Per q/k head (fp32 math, rounding where diffusers rounds):
 
     n   = round(x * rsqrt(mean(x^2) + eps) * w)          torch.nn.RMSNorm (torch's fused kernel)
-          (ROUND_NORM: round(round(x * rsqrt(...)) * w), diffusers' own RMSNorm)
+    n   = round(round(x * rsqrt(mean(x^2) + eps)) * w)   EACH: diffusers' RMSNorm (SD3's q/k norms)
     out = round(n * cos + rotate(n) * sin)               diffusers apply_rotary_emb, interleaved pairs
+                                                         (ROPE false: out = n)
+
+The "text" group is whichever group comes first in the output (the caller swaps the groups for SD3's
+image-first order).
 
 Inputs are 4-D ``[B, S, H, D]`` views with a unit-stride head dim; the image tensors share one set of
 strides and the text tensors another (``ops/qk_norm_rope.py`` guarantees both).
@@ -34,7 +38,7 @@ def _qk_norm_rope_kernel(
     S_TXT, S_TOT, H, NHB, eps_q, eps_k, eps_qt, eps_kt,
     i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sr, s_sr,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr, LIBDEVICE: tl.constexpr,
-    ROUND_NORM: tl.constexpr = False,
+    ROPE: tl.constexpr, EACH: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // S_TOT
@@ -47,7 +51,7 @@ def _qk_norm_rope_kernel(
     j = tl.arange(0, 2 * HALF)
     m = hm[:, None] & (j < D)[None, :]
     ty = qo_ptr.dtype.element_ty
-    # Source of this token: text rows first, then image rows (torch.cat([txt, img], dim=1)).
+    # Source of this token: the first group's rows (text, as torch.cat([txt, img], dim=1)), then the second's.
     if s < S_TXT:
         src = b * t_sb + s * t_ss + h[:, None] * t_sh + j[None, :]
         if which == 0:
@@ -84,19 +88,22 @@ def _qk_norm_rope_kernel(
         x = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + j, mask=j < D, other=0.0).to(tl.float32)
         rstd = _rsqrt(tl.reduce(x * x, 1, _sum_combine) / D + eps, LIBDEVICE)
-        if ROUND_NORM:  # diffusers' RMSNorm: x * rstd rounded to the dtype before the weight
+        if EACH:
             n = _round_to(_round_to(x * rstd[:, None], KIND) * w[None, :], KIND)
         else:
             n = _round_to((x * rstd[:, None]) * w[None, :], KIND)
-        # Interleaved pairs (a, b) = (n[2i], n[2i+1]); rotate(n) = (-b, a); per-element cos/sin rows.
-        cs = tl.load(cos_ptr + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
-        sn = tl.load(sin_ptr + s * s_sr + j, mask=j < D, other=0.0).to(tl.float32)
-        ca, cb = tl.split(tl.reshape(cs, [HALF, 2]))
-        sa, sb = tl.split(tl.reshape(sn, [HALF, 2]))
-        a, bb = tl.split(tl.reshape(n, [BLOCK_H, HALF, 2]))
-        oa = a * ca[None, :] - bb * sa[None, :]
-        ob = bb * cb[None, :] + a * sb[None, :]
-        out = _round_to(tl.reshape(tl.join(oa, ob), [BLOCK_H, 2 * HALF]), KIND)
+        if ROPE:
+            # Interleaved pairs (a, b) = (n[2i], n[2i+1]); rotate(n) = (-b, a); per-element cos/sin rows.
+            cs = tl.load(cos_ptr + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + s * s_sr + j, mask=j < D, other=0.0).to(tl.float32)
+            ca, cb = tl.split(tl.reshape(cs, [HALF, 2]))
+            sa, sb = tl.split(tl.reshape(sn, [HALF, 2]))
+            a, bb = tl.split(tl.reshape(n, [BLOCK_H, HALF, 2]))
+            oa = a * ca[None, :] - bb * sa[None, :]
+            ob = bb * cb[None, :] + a * sb[None, :]
+            out = _round_to(tl.reshape(tl.join(oa, ob), [BLOCK_H, 2 * HALF]), KIND)
+        else:
+            out = n
         if which == 0:
             tl.store(qo_ptr + dst, out.to(ty), mask=m)
         else:
@@ -112,17 +119,18 @@ def launch(
     qt: Optional[torch.Tensor], kt: Optional[torch.Tensor], vt: Optional[torch.Tensor],
     wq: torch.Tensor, wk: torch.Tensor, wqt: Optional[torch.Tensor], wkt: Optional[torch.Tensor],
     eps: tuple[float, float, float, float],
-    cos: torch.Tensor, sin: torch.Tensor,
-    q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor],
-    round_norm: bool = False,
+    cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+    q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor], each: bool = False,
 ) -> None:
-    """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``."""
+    """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``.
+    ``cos``/``sin`` None: no RoPE; ``each``: diffusers' RMSNorm rounding (see the module docstring)."""
     B, S_img, H, D = q.shape
     S_txt = qt.shape[1] if qt is not None else 0
     S_tot = S_txt + S_img
     if B * S_tot == 0:
         return
-    half = next_pow2(D // 2)
+    half = next_pow2(D) // 2  # = next_pow2(D // 2) for even D; an odd D (no RoPE) fits in 2 * half
+    rope = cos is not None
     # ~1024 elements per program with 2 warps: the RoPE kernel's measured best (benchmarks/NOTES-rope.md).
     block_h = max(1, min(next_pow2(H), 1024 // (2 * half)))
     nhb = cdiv(H, block_h)
@@ -131,13 +139,15 @@ def launch(
     kernel = kernel_for(q.device.type)
     launch_kernel(kernel, (B * S_tot, tensors * nhb), (
         q, k, v if v is not None else q, txt, kt if kt is not None else k, vt if vt is not None else txt,
-        wq, wk, wqt if wqt is not None else wq, wkt if wkt is not None else wk, cos, sin,
+        wq, wk, wqt if wqt is not None else wq, wkt if wkt is not None else wk,
+        cos if rope else wq, sin if rope else wq,
         q_out, k_out, v_out if v_out is not None else q_out,
         S_txt, S_tot, H, nhb, *[float(e) for e in eps],
         q.stride(0), q.stride(1), q.stride(2), txt.stride(0), txt.stride(1), txt.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2), cos.stride(0), sin.stride(0),
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
     ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
-        ROUND_NORM=round_norm,
+        ROPE=rope, EACH=bool(each),
         num_warps=2 if block_h * 2 * half >= 512 else 1,
     ))

@@ -16,12 +16,16 @@ interleaved pairs (diffusers' FLUX ``FluxPosEmbed`` / ``Flux2PosEmbed`` output).
 ``[D]`` RMSNorm weights in the tensors' dtype. Returns new contiguous ``q``, ``k`` and ``v``
 (``[B, S_txt + S, H, D]``); without text tensors ``v`` is returned as given (nothing to concat).
 
+Options for other models (SD3's ``JointAttnProcessor2_0``):
+
+- ``cos=None, sin=None``: no RoPE (q/k RMSNorm and the concat only; any head dim);
+- ``text_first=False``: image rows first, as ``torch.cat([img, txt])`` (SD3's order; FLUX puts text first);
+- ``rounding="each"``: diffusers' own ``RMSNorm`` (``normalization.RMSNorm``), which rounds ``x * rstd`` to
+  the weight's dtype before multiplying by the weight (two roundings); the default ``"once"`` is
+  ``torch.nn.RMSNorm``'s fused kernel (``x * rstd * w`` rounded once).
+
 Numerics: torch.nn.RMSNorm (fp32 statistics, ``x * rstd * w`` rounded once, as torch's fused kernel)
 followed by diffusers' ``apply_rotary_emb`` (fp32 ``n * cos + rotate(n) * sin``, rounded once).
-``rms_rounding="diffusers"`` is diffusers' own ``RMSNorm`` instead (the legacy ``Attention``'s
-``qk_norm="rms_norm"``, QwenImage): ``x * rstd`` rounded to the dtype, then ``* w`` rounded again.
-QwenImage's complex RoPE (``apply_rotary_emb_qwen(use_real=False)``) is the same interleaved
-rotation with ``cos = Re(freqs)``, ``sin = Im(freqs)`` repeated per pair.
 Differences from diffusers come only from fp32 reduction order / fused multiply-adds crossing a
 rounding boundary: at most one ulp of the output dtype.
 
@@ -40,10 +44,10 @@ from . import _args, _dispatch
 from ._memory import check_no_overlap
 from ._tiers import choose_tier, force_tier, needs_grad
 
-__all__ = ["qk_norm_rope", "force_tier", "RMS_ROUNDINGS"]
+__all__ = ["qk_norm_rope", "force_tier", "ROUNDINGS"]
 
-#: ``"fused"``: torch.nn.RMSNorm (one rounding); ``"diffusers"``: diffusers' RMSNorm (rounded before the weight).
-RMS_ROUNDINGS = ("fused", "diffusers")
+#: ``"once"``: torch.nn.RMSNorm (one rounding); ``"each"``: diffusers' RMSNorm (``x * rstd`` rounded, then ``* w``).
+ROUNDINGS = ("once", "each")
 
 
 # ------------------------------------------------------------------------------------------ torch tier
@@ -57,30 +61,37 @@ def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
 
 
-def _diffusers_rms_norm(x: torch.Tensor, shape: tuple, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # diffusers.models.normalization.RMSNorm.forward (weight of x's dtype, no bias)
+def _rms_norm_each(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # diffusers.models.normalization.RMSNorm.forward (weight present, of x's dtype), op for op.
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-    return (x * torch.rsqrt(variance + eps)).to(w.dtype) * w
+    x = x * torch.rsqrt(variance + eps)
+    if w.dtype in (torch.float16, torch.bfloat16):
+        x = x.to(w.dtype)
+    return x * w
 
 
-def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, rms_rounding="fused"):
-    rms = _diffusers_rms_norm if rms_rounding == "diffusers" else F.rms_norm
-    q = rms(q, (q.shape[-1],), wq, eps[0])
-    k = rms(k, (k.shape[-1],), wk, eps[1])
+def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, each):
+    norm = (lambda x, w, e: _rms_norm_each(x, w, e)) if each else (lambda x, w, e: F.rms_norm(x, (x.shape[-1],), w, e))
+    join = (lambda t, i: torch.cat([t, i], dim=1)) if text_first else (lambda t, i: torch.cat([i, t], dim=1))
+    q = norm(q, wq, eps[0])
+    k = norm(k, wk, eps[1])
     if qt is not None:
-        q = torch.cat([rms(qt, (qt.shape[-1],), wqt, eps[2]), q], dim=1)
-        k = torch.cat([rms(kt, (kt.shape[-1],), wkt, eps[3]), k], dim=1)
-        v = torch.cat([vt, v], dim=1)
+        q = join(norm(qt, wqt, eps[2]), q)
+        k = join(norm(kt, wkt, eps[3]), k)
+        v = join(vt, v)
+    if cos is None:
+        return [q, k, v]
     return [_rope_torch(q, cos, sin), _rope_torch(k, cos, sin), v]
 
 
 # ------------------------------------------------------------------------------------------ dispatch
 
 
-def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, tier, rms_rounding="fused") -> list[torch.Tensor]:
+def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, tier) -> list[torch.Tensor]:
     eps = tuple(eps)
+    each = rounding == "each"
     if tier == "torch":
-        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, rms_rounding)
+        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, each)
     from . import _qk_norm_rope_triton
 
     B, S, H, D = q.shape
@@ -88,8 +99,11 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, tier, rms_roundi
     new = lambda: torch.empty((B, S_all, H, D), dtype=q.dtype, device=q.device)  # noqa: E731
     q_out, k_out = new(), new()
     v_out = new() if qt is not None else None
-    _qk_norm_rope_triton.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out,
-                                round_norm=rms_rounding == "diffusers")
+    if qt is not None and not text_first:
+        # The kernel writes its "first" group's rows first: hand it the image tensors there.
+        q, k, v, qt, kt, vt, wq, wk, wqt, wkt = qt, kt, vt, q, k, v, wqt, wkt, wq, wk
+        eps = (eps[2], eps[3], eps[0], eps[1])
+    _qk_norm_rope_triton.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out, each=each)
     return [q_out, k_out, v_out if v_out is not None else v]
 
 
@@ -97,17 +111,17 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, tier, rms_roundi
 def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor], q_txt: Optional[torch.Tensor],
                      k_txt: Optional[torch.Tensor], v_txt: Optional[torch.Tensor], q_weight: torch.Tensor,
                      k_weight: torch.Tensor, q_txt_weight: Optional[torch.Tensor],
-                     k_txt_weight: Optional[torch.Tensor], eps: list[float], cos: torch.Tensor,
-                     sin: torch.Tensor, tier: str, rms_rounding: str = "fused") -> list[torch.Tensor]:
+                     k_txt_weight: Optional[torch.Tensor], eps: list[float], cos: Optional[torch.Tensor],
+                     sin: Optional[torch.Tensor], text_first: bool, rounding: str, tier: str) -> list[torch.Tensor]:
     outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, tuple(eps),
-                 cos, sin, tier, rms_rounding)
+                 cos, sin, text_first, rounding, tier)
     # A custom op may not return an input (v without text tensors): hand back a copy when traced.
     return [o.clone() if o is v else o for o in outs if o is not None]
 
 
 @_qk_norm_rope_op.register_fake
-def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, eps, cos, sin, tier,
-      rms_rounding="fused"):
+def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, eps, cos, sin, text_first,
+      rounding, tier):
     B, S, H, D = q.shape
     S_all = S + (q_txt.shape[1] if q_txt is not None else 0)
     n = 3 if v is not None else 2
@@ -149,12 +163,19 @@ def _same_strides(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t if t.stride() == first else t.contiguous() for t in tensors]
 
 
+def _check_rope_args(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> bool:
+    """True when RoPE is wanted; cos and sin come together or not at all."""
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must both be given (RoPE) or both be None (no RoPE)")
+    return cos is not None
+
+
 @_dispatch.public
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
     *,
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
@@ -168,22 +189,25 @@ def qk_norm_rope(
     k_txt_weight: Optional[torch.Tensor] = None,
     eps_q_txt: Optional[float] = None,
     eps_k_txt: Optional[float] = None,
+    text_first: bool = True,
+    rounding: str = "once",
     tier: Optional[str] = None,
-    rms_rounding: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """RMSNorm q and k per head, concat text rows in front (if given), rotate q and k; returns (q, k, v).
+    """RMSNorm q and k per head, concat text rows in front (or behind: ``text_first=False``) if given,
+    rotate q and k (unless ``cos`` and ``sin`` are None); returns (q, k, v).
 
     Raises:
         ValueError: on any input that does not fit, before anything is computed.
     """
-    if rms_rounding not in RMS_ROUNDINGS:
-        raise ValueError(f"rms_rounding must be one of {RMS_ROUNDINGS}, got {rms_rounding!r}")
     q = _check_4d(q, "q", None)
     k = _check_4d(k, "k", q)
     if k.shape != q.shape:
         raise ValueError(f"k shape {tuple(k.shape)} differs from q {tuple(q.shape)}")
-    if q.shape[-1] % 2:
+    rope = _check_rope_args(cos, sin)
+    if rope and q.shape[-1] % 2:
         raise ValueError(f"head dim {q.shape[-1]} must be even for interleaved RoPE")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     joint = q_txt is not None
     if joint:
         if any(t is None for t in (k_txt, v_txt, v, q_txt_weight, k_txt_weight, eps_q_txt, eps_k_txt)):
@@ -204,7 +228,7 @@ def qk_norm_rope(
     wqt = _check_weight(q_txt_weight, "q_txt_weight", q) if joint else None
     wkt = _check_weight(k_txt_weight, "k_txt_weight", q) if joint else None
     S_all = q.shape[1] + (qt.shape[1] if joint else 0)
-    for t, name in ((cos, "cos"), (sin, "sin")):
+    for t, name in ((cos, "cos"), (sin, "sin")) if rope else ():
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != q.device:
             raise ValueError(f"{name} must be an fp32 tensor on {q.device}")
         if tuple(t.shape) != (S_all, q.shape[-1]) or t.stride(-1) != 1:
@@ -218,5 +242,5 @@ def qk_norm_rope(
     grad = needs_grad(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, cos, sin)
     chosen = choose_tier(q.device.type, tier, grad)
     outs = _dispatch.run(q, grad, _impl, _qk_norm_rope_op, q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos,
-                         sin, chosen, rms_rounding)
+                         sin, bool(text_first), rounding, chosen)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)

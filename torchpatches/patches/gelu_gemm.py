@@ -11,8 +11,9 @@ What goes wrong upstream
 What the patch changes
     ``GELU.forward`` calls ``torchpatches.ops.linear_gelu.linear_gelu_tanh`` with ``self.proj``'s weight
     and bias when the projection is a stock, unhooked ``nn.Linear`` with a bias, on CUDA in bf16/fp16,
-    without gradients; everything else (exact GELU, a subclass overriding ``gelu``, LoRA/PEFT-wrapped
-    ``proj``, hooks, CPU, fp32, autocast, forward AD, functorch transforms, ``torch.jit.trace``,
+    without gradients; a peft LoRA-wrapped ``proj`` goes to the ``lora`` pattern's GELU epilogue while ``lora``
+    is applied (``patches/_lora_calls.lora_gelu``); everything else (exact GELU, a subclass overriding ``gelu``,
+    other wrapped ``proj``, hooks, CPU, fp32, autocast, forward AD, functorch transforms, ``torch.jit.trace``,
     ``torch.compile``) runs diffusers' forward. On CPU ``torch._addmm_activation(use_gelu=True)`` computes
     the *erf* GELU, so the op never uses it there (checked on torch 2.11 and 2.13).
 
@@ -36,6 +37,7 @@ import torch
 
 from .._declare import Patch, Target
 from ._fused_common import FALLBACK, GELU, fusable, fused, stock
+from ._lora_calls import lora_gelu
 
 __all__ = ["PATCH"]
 
@@ -50,7 +52,12 @@ def _gelu_gemm(self, hidden_states):
         self.approximate == "tanh"
         and type(self).gelu is sys.modules[_ACTIVATIONS].GELU.gelu  # the fused path skips ``self.gelu``
         and fusable(hidden_states, (self,))
-        and stock(proj, torch.nn.Linear)
+    ):
+        return FALLBACK
+    if type(proj) is not torch.nn.Linear:  # a LoRA-wrapped projection: the GELU in its last adapter's epilogue
+        return lora_gelu(proj, hidden_states)
+    if not (
+        stock(proj, torch.nn.Linear)
         and type(proj.weight) is torch.nn.Parameter
         and ops.lt_tier_fits(hidden_states, proj.weight, proj.bias)
     ):

@@ -13,7 +13,7 @@ What the patch changes
     ``__call__`` runs the projections, the attention (``dispatch_attention_fn`` with the processor's
     backend and the joint mask, unchanged) and the output projections exactly as diffusers does
     (module calls: LoRA layers and hooks on them keep working), and replaces the stretch in between by
-    ``torchpatches.ops.qk_norm_rope.qk_norm_rope(rms_rounding="diffusers")``: one launch that
+    ``torchpatches.ops.qk_norm_rope.qk_norm_rope(rounding="each")``: one launch that
     normalizes q and k per head as diffusers' ``RMSNorm`` rounds, rotates them and writes q, k and v
     straight into the joint ``[B, S_txt + S_img, H, D]`` tensors. The complex freqs become the op's
     fp32 ``cos``/``sin`` tables once per step, and the joint mask is built once per step
@@ -115,7 +115,7 @@ def _fused_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any) -> Option
                             eps_q=attn.norm_q.eps, eps_k=attn.norm_k.eps, v=img[2], q_txt=txt[0], k_txt=txt[1],
                             v_txt=txt[2], q_txt_weight=attn.norm_added_q.weight,
                             k_txt_weight=attn.norm_added_k.weight, eps_q_txt=attn.norm_added_q.eps,
-                            eps_k_txt=attn.norm_added_k.eps, rms_rounding="diffusers")
+                            eps_k_txt=attn.norm_added_k.eps, rounding="each")
     except ValueError:  # e.g. a projection returned another shape; the op checks before it computes
         return None
 

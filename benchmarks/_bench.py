@@ -1,0 +1,202 @@
+"""What the whole-model benchmarks share (``flux_fused.py``, ``dit.py``): building a model with random weights
+on the device, putting torchpatches into a variant's state, timing steps, classifying the profiler's kernels,
+comparing outputs, and the versions a result was measured with. Not a benchmark itself.
+
+Importing this module turns Inductor's caches off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``,
+``TORCHINDUCTOR_AUTOGRAD_CACHE=0``) unless the caller set them, so that every compile is a real one: import it
+before anything imports torch._inductor.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple  # noqa: E402
+
+import torch  # noqa: E402
+
+__all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
+           "save_json", "compile_once", "command_line"]
+
+
+def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``diffusers.<cls_name>(**config)`` with seeded random weights, created on ``device`` in ``dtype``
+    directly (a large model never passes through the host), in eval mode without grad. The parameters
+    and persistent buffers a checkpoint loaded with ``torch_dtype=dtype`` keeps in float32 (the class's
+    ``_keep_in_fp32_modules``: Wan's norms, modulation tables and time embedder) are float32, as
+    ``from_pretrained`` leaves them."""
+    import diffusers
+
+    cls = getattr(diffusers, cls_name)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            torch.manual_seed(0)
+            model = cls(**config)
+    finally:
+        torch.set_default_dtype(previous)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    if dtype != torch.float32 and keep:
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            # diffusers' loader matches whole name components (model_loading_utils.load_model_dict_into_meta)
+            if tensor.is_floating_point() and any(k in name.split(".") for k in keep):
+                tensor.data = tensor.data.float()
+    return model.eval().requires_grad_(False)
+
+
+def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int
+               ) -> Tuple[List[float], List[float]]:
+    """(step ms from CUDA events, host ms to enqueue the step): host close to step means CPU-bound.
+
+    Each step starts on an empty queue (the previous one synchronized), so host ms is the wall time of
+    enqueueing ``step()`` alone."""
+    for _ in range(warmup):
+        step()
+    times, host = [], []
+    if device.type != "cuda":
+        for _ in range(iters):
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+        return times, times
+    torch.cuda.synchronize()
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t) * 1e3)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times, host
+
+
+_ATTENTION = re.compile(r"sdpa|flash|fmha|attention|attn", re.I)
+_GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|splitk|matmul|_mm_|sm90_", re.I)
+
+
+def kernel_class(name: str) -> str:
+    """"attention", "gemm" or "other" (norms, modulation, RoPE, gates, residuals, casts, copies) by kernel name."""
+    if _ATTENTION.search(name):
+        return "attention"
+    if _GEMM.search(name):
+        return "gemm"
+    return "other"
+
+
+def kernel_times(step: Callable[[], Any], steps: int = 2) -> List[Tuple[str, float, float]]:
+    """(kernel name, GPU ms per step, launches per step) of every CUDA kernel and copy in ``steps`` steps after
+    one unprofiled step, longest first (torch.profiler; CUDA only)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = []
+    for event in prof.key_averages():
+        if getattr(event, "device_type", None) != DeviceType.CUDA:
+            continue
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:
+            us = event.self_cuda_time_total
+        kernels.append((event.key[:140], us / steps / 1e3, event.count / steps))
+    kernels.sort(key=lambda row: -row[1])
+    return kernels
+
+
+def profile(step: Callable[[], Any], steps: int = 2) -> Dict[str, Any]:
+    """GPU time per step by kernel class and kernel launches per step, from torch.profiler (CUDA only)."""
+    kernels = kernel_times(step, steps)
+    by_class: Dict[str, float] = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for key, ms, _ in kernels:
+        by_class[kernel_class(key)] += ms
+    return {
+        "gpu_kernel_ms": sum(row[1] for row in kernels),
+        "ms_by_class": by_class,
+        "launches_per_step": sum(row[2] for row in kernels),
+        "top": kernels[:30],
+    }
+
+
+@contextlib.contextmanager
+def state(variant: str) -> Iterator[None]:
+    """Put torchpatches into a variant's state for the block; the previous state afterwards.
+
+    ``vanilla``: every patch reverted; ``all``: every patch applied (what ``import torchpatches`` gives);
+    ``-NAME``: every patch but NAME. A trailing ``+`` (a repeated measurement) is ignored."""
+    import torchpatches
+
+    base = variant.rstrip("+")
+    if base == "vanilla":
+        with torchpatches.disabled():
+            yield
+        return
+    torchpatches.apply()
+    if base == "all":
+        yield
+    elif base.startswith("-"):
+        with torchpatches.disabled(base[1:]):
+            yield
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def summary(times: List[float]) -> Dict[str, float]:
+    """Median, 10th and 90th percentile of step times (ms)."""
+    ordered = sorted(times)
+    return {"median_ms": statistics.median(times), "p10_ms": ordered[len(times) // 10],
+            "p90_ms": ordered[min(len(times) - 1, (len(times) * 9) // 10)]}
+
+
+def versions() -> Dict[str, str]:
+    import diffusers
+
+    info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "cuda": str(torch.version.cuda),
+            "python": sys.version.split()[0]}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "absent"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def save_json(path: Optional[str], results: Dict[str, Any]) -> None:
+    """Rewrite ``path`` with ``results`` (partial results survive a timeout); nothing without a path."""
+    if path:
+        with open(path, "w") as handle:
+            json.dump(results, handle, indent=2)
+
+
+def compile_once(device: torch.device) -> None:
+    """A 3-op ``torch.compile``: afterwards the process is in the state issue 17 measured a slower eager host
+    path in (any compile having run)."""
+    torch.compile(lambda x: (x * 2).sin().sum())(torch.ones(4, device=device))
+
+
+def command_line(argv: Optional[Iterable[str]] = None) -> str:
+    args = list(sys.argv[1:] if argv is None else argv)
+    return " ".join([os.path.basename(sys.argv[0])] + args)

@@ -1,0 +1,122 @@
+"""Which peft LoRA layers the ``lora`` pattern serves, and the calls ``lora`` and ``gelu_gemm`` make for them.
+
+A peft ``lora.Linear`` is served when its forward would take peft's stock branch with every skipped module
+call a no-op to skip: exactly peft's ``Linear`` (no subclass), adapters enabled and not merged, no
+``fan_in_fan_out``, a stock ``nn.Linear`` base layer, and for every active adapter of this layer: plain LoRA
+(no ``lora_variant``: DoRA, aLoRA, arrow...; no ``lora_bias``), stock bias-free ``nn.Linear`` A and B, a
+dropout that is ``nn.Identity`` or an ``nn.Dropout`` in eval mode, weights of ``x``'s dtype and device (so
+peft's input cast is a no-op), a scaling that is a number or a 0-d tensor. The per-call conditions every
+fused path has (:func:`~._fused_common.fusable`: CUDA, or a forced tier on the CPU; no autocast; no grad
+wanted through ``x`` or any parameter of the layer) come first. Anything else: ``FALLBACK`` (peft's code).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, List, Optional
+
+import torch
+
+from ._fused_common import FALLBACK, fusable, pattern_on, stock
+
+__all__ = ["LAYER", "served_adapters", "lora_linear", "lora_gelu"]
+
+#: peft's LoRA layer module (the ``lora`` pattern's target lives there).
+LAYER = "peft.tuners.lora.layer"
+
+_PARAMETER_TYPES = (torch.nn.Parameter, torch.Tensor)
+
+
+def _fits(t: Optional[torch.Tensor], x: torch.Tensor) -> bool:
+    return t is None or (type(t) in _PARAMETER_TYPES and t.dtype == x.dtype and t.device == x.device)
+
+
+def _identity_dropout(dropout: Any) -> bool:
+    """peft's dropout is the identity: ``nn.Identity``, or ``nn.Dropout`` outside training (any ``p``)."""
+    if stock(dropout, torch.nn.Identity):
+        return True
+    return stock(dropout, torch.nn.Dropout) and not dropout.training
+
+
+def _plain_scaling(scaling: Any, x: torch.Tensor) -> bool:
+    """A number, or a 0-d float tensor on the CPU or on ``x``'s device (peft's hotswap preparation)."""
+    if type(scaling) in (int, float):
+        return True
+    return (
+        type(scaling) is torch.Tensor
+        and scaling.dim() == 0
+        and scaling.dtype.is_floating_point
+        and not scaling.requires_grad
+        and (scaling.device.type == "cpu" or scaling.device == x.device)
+    )
+
+
+def _stock_adapter(layer: Any, modules: dict, name: str, x: torch.Tensor) -> Optional[tuple]:
+    """(A, B, scaling) of adapter ``name``, or None. ``modules`` is ``layer._modules``: the ModuleDicts and
+    the parameters are read from their dicts (``Module.__getattr__`` costs a microsecond a lookup, per layer
+    and step)."""
+    if name in layer.lora_variant or layer.lora_bias.get(name, False):
+        return None
+    a, b = modules["lora_A"]._modules[name], modules["lora_B"]._modules[name]
+    if not (stock(a, torch.nn.Linear) and stock(b, torch.nn.Linear)):
+        return None
+    a_params, b_params = a._parameters, b._parameters
+    if a_params.get("bias") is not None or b_params.get("bias") is not None:
+        return None
+    wa, wb = a_params["weight"], b_params["weight"]
+    if not (_identity_dropout(modules["lora_dropout"]._modules[name]) and _fits(wa, x) and _fits(wb, x)):
+        return None
+    scaling = layer.scaling[name]
+    return (wa, wb, scaling) if _plain_scaling(scaling, x) else None
+
+
+def served_adapters(layer: Any, x: Any) -> Optional[List[tuple]]:
+    """The active adapters of ``layer`` as ``(A, B, scaling)`` in peft's order, or None: peft's code runs."""
+    peft_layer = sys.modules.get(LAYER)
+    if peft_layer is None or type(layer) is not peft_layer.Linear:
+        return None
+    if layer.disable_adapters or layer.merged or layer.fan_in_fan_out or not fusable(x, (layer,)):
+        return None
+    modules = layer._modules
+    base = modules["base_layer"]
+    if not stock(base, torch.nn.Linear):
+        return None
+    weight, bias = base._parameters["weight"], base._parameters.get("bias")
+    if not (_fits(weight, x) and _fits(bias, x) and x.dim() >= 1 and x.shape[-1] == weight.shape[1]):
+        return None
+    adapters = []
+    lora_a = modules["lora_A"]._modules
+    for name in layer.active_adapters:
+        if name not in lora_a:  # as peft: an active adapter this layer does not have
+            continue
+        adapter = _stock_adapter(layer, modules, name, x)
+        if adapter is None:
+            return None
+        adapters.append(adapter)
+    return adapters
+
+
+def lora_linear(layer: Any, x: Any) -> Any:
+    """peft's ``Linear.forward(x)`` through the GEMM-epilogue op, or ``FALLBACK``."""
+    adapters = served_adapters(layer, x)
+    if adapters is None:
+        return FALLBACK
+    from ..ops.lora import lora_linear as op  # lazily: with the target
+
+    base = layer.base_layer
+    return op(x, base.weight, base.bias, adapters, tier="epilogue")
+
+
+def lora_gelu(proj: Any, x: Any) -> Any:
+    """``gelu(proj(x), approximate="tanh")`` for a LoRA-wrapped projection of diffusers' ``GELU`` (``gelu_gemm``),
+    the GELU in the last adapter's GEMM epilogue; ``FALLBACK`` unless ``lora`` is applied and serves ``proj``
+    with nothing hooked on it (the fused path skips its module call)."""
+    peft_layer = sys.modules.get(LAYER)
+    if peft_layer is None or not stock(proj, peft_layer.Linear) or not pattern_on("lora"):
+        return FALLBACK
+    adapters = served_adapters(proj, x)
+    if adapters is None:
+        return FALLBACK
+    from ..ops.lora import lora_linear as op
+
+    base = proj.base_layer
+    return op(x, base.weight, base.bias, adapters, gelu=True, tier="epilogue")
