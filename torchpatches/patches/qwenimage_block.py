@@ -93,7 +93,7 @@ def _block(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mas
 
 PATCH = Patch(
     name="qwenimage_block",
-    summary="QwenImage blocks: LayerNorm + modulate, gate + residual (+ next LayerNorm/modulate) as one kernel each (eager)",
+    summary="QwenImage blocks: LayerNorm + modulate, gate + residual (+ the next LayerNorm + modulate) fused (eager)",
     targets=(
         Target(f"{_QWEN}:QwenImageTransformerBlock.forward",
                make_replacement=fused("qwenimage_block", _block, LAYER_NORM),
