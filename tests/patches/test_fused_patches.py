@@ -9,7 +9,6 @@ diffusers' code; the registry's promises hold per pattern (fingerprints, revert 
 from __future__ import annotations
 
 import collections
-import inspect
 import os
 import subprocess
 import sys
@@ -81,7 +80,6 @@ def test_applied_with_verified_fingerprints_and_revert_by_identity(name: str) ->
         replacement = vars(cls)[attr]
         original = replacement.__torchpatches_original__
         assert replacement.__torchpatches_patch__ == name
-        assert inspect.signature(replacement) == inspect.signature(original)  # Attention filters kwargs by it
         if diffusers.__version__ == VERIFIED:
             assert _gates.fingerprint(original) in target.fingerprints
         with torchpatches.disabled(name):

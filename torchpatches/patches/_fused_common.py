@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import operator
 import sys
 import types
@@ -125,9 +124,6 @@ def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -
         # The original's name and docstring; no __wrapped__ (inspect.unwrap / fingerprint see this function).
         functools.update_wrapper(method, original, assigned=("__name__", "__qualname__", "__doc__"), updated=())
         del method.__wrapped__  # the registry marks it with the original and the patch name
-        # The original's signature: diffusers' Attention.forward passes a processor only the keyword arguments
-        # its ``__call__`` names (QwenImage's ``encoder_hidden_states_mask``, ``image_rotary_emb``).
-        method.__signature__ = inspect.signature(original)
         return method
 
     make.__name__ = f"{pattern}_{getattr(body, '__name__', 'body')}"

@@ -17,10 +17,8 @@ What the patch changes
     normalizes q and k per head as diffusers' ``RMSNorm`` rounds, rotates them and writes q, k and v
     straight into the joint ``[B, S_txt + S_img, H, D]`` tensors. The complex freqs become the op's
     fp32 ``cos``/``sin`` tables once per step, and the joint mask is built once per step
-    (``_qwenimage_tables``). The replacement shows the original's signature (``fused``): diffusers'
-    ``Attention`` passes a processor only the keyword arguments its ``__call__`` names. Everything else
-    runs diffusers' own ``__call__``: ``torch.compile``, ``torch.jit.trace``, forward AD and functorch
-    transforms, gradients, autocast, an external
+    (``_qwenimage_tables``). Everything else runs diffusers' own ``__call__``: ``torch.compile``,
+    ``torch.jit.trace``, forward AD and functorch transforms, gradients, autocast, an external
     ``attention_mask`` or no text stream (diffusers raises), no rotary embedding or one that is not two
     complex64 tables of the streams' lengths, q/k norms that are not stock diffusers ``RMSNorm`` with a
     weight of the activations' dtype and no bias, hooked norms, context-parallel configs
@@ -39,8 +37,9 @@ When to delete
 """
 from __future__ import annotations
 
+import inspect
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -174,12 +173,25 @@ def _processor(self, attn, hidden_states, encoder_hidden_states=None, encoder_hi
     return img_attn_output, txt_attn_output
 
 
+def _keeps_signature(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """diffusers' ``Attention.forward`` passes a processor only the keyword arguments its ``__call__``'s
+    signature names (``encoder_hidden_states_mask``, ``image_rotary_emb``): the replacement shows the original's."""
+
+    def make_with_signature(original: Any) -> Any:
+        method = make(original)
+        method.__signature__ = inspect.signature(original)
+        return method
+
+    make_with_signature.__name__ = make.__name__
+    return make_with_signature
+
+
 PATCH = Patch(
     name="qwenimage_qk_norm_rope",
     summary="QwenImage attention processor: q/k RMSNorm + complex RoPE + text/image concat in one kernel (eager)",
     targets=(
         Target(f"{_QWEN}:QwenDoubleStreamAttnProcessor2_0.__call__",
-               make_replacement=fused("qwenimage_qk_norm_rope", _processor, _ASSUMES),
+               make_replacement=_keeps_signature(fused("qwenimage_qk_norm_rope", _processor, _ASSUMES)),
                fingerprints=frozenset({"6d1be42e5eb224d8"})),  # diffusers 0.42.0, 0.42.1
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
