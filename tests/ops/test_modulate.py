@@ -163,3 +163,60 @@ def test_compiles_fullgraph_as_a_custom_op() -> None:
     for got, ref in zip(compiled(x, g, y, sc, sh), fn(x, g, y, sc, sh)):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
     torch._dynamo.reset()
+
+
+# ---- Wan's forms: a residual add without gate, an affine LayerNorm (issue 16) -------------------------
+
+
+@needs_triton
+@settings(**HYP)
+@given(cases(), st.sampled_from(["each", "once"]))
+def test_plain_residual_and_affine_layer_norm_forms(case: Dict[str, Any], rounding: str) -> None:
+    """``h = residual + y`` (one rounding: bit-identical in both tiers) then LN + modulate, and
+    ``h = residual + gate * y`` then an affine LayerNorm (fp32, one rounding), against float64 and the
+    PyTorch tier. With rounding='once' the vectors, weight and bias are fp32 (Wan's tables)."""
+    x, y, gate, scale, shift, eps = (case[k] for k in ("x", "y", "gate", "scale", "shift", "eps"))
+    D = x.shape[-1]
+    g = torch.Generator().manual_seed(D)
+    vec_dtype = torch.float32 if rounding == "once" else x.dtype
+    gate, scale, shift = (t.to(vec_dtype) for t in (gate, scale, shift))
+    weight = (1 + 0.5 * torch.randn(D, generator=g)).to(vec_dtype)
+    bias = torch.randn(D, generator=g).to(vec_dtype)
+    limit = 8.0 if case["dtype"] == torch.float32 else 1.0
+
+    h, out = modulate.residual_layer_norm_modulate(x, y, scale, shift, eps=eps, rounding=rounding, tier="triton")
+    r_h, r_out = modulate.residual_layer_norm_modulate(x, y, scale, shift, eps=eps, rounding=rounding, tier="torch")
+    assert torch.equal(h, r_h) and torch.equal(r_h, x + y)
+    assert ulps(out, r_out, ln_magnitude(r_h, scale, eps)) <= limit
+    close_to_64(out, ln_mod_64(r_h, scale, shift, eps), ln_magnitude(r_h, scale, eps) + tok(shift).double().abs(),
+                rounds=4)
+
+    h, out = modulate.gate_residual_layer_norm(x, gate, y, weight, bias, eps=eps, rounding=rounding, tier="triton")
+    r_h, r_out = modulate.gate_residual_layer_norm(x, gate, y, weight, bias, eps=eps, rounding=rounding, tier="torch")
+    assert torch.equal(h, r_h) or ulps(h, r_h) == 0.0
+    mag = ln_magnitude(r_h, weight.expand(1, D) - 1, eps)  # |n * weight|
+    assert ulps(out, r_out, mag) <= limit
+    expect = torch.nn.functional.layer_norm(r_h.double(), (D,), weight.double(), bias.double(), eps)
+    close_to_64(out, expect, mag + bias.double().abs(), rounds=2)
+    assert h.is_contiguous() and out.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_tier_is_wans_expression(dtype: torch.dtype) -> None:
+    """The PyTorch tier of the Wan forms is WanTransformerBlock's own expression, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 24, generator=g).to(dtype)
+    y = torch.randn(2, 5, 24, generator=g).to(dtype)
+    table = torch.randn(2, 3, 24, generator=g)  # fp32: scale_shift_table + temb.float()
+    gate, scale, shift = table.chunk(3, dim=1)
+    w, b = torch.randn(24, generator=g), torch.randn(24, generator=g)
+    norm2 = torch.nn.LayerNorm(24, eps=1e-6)
+    with torch.no_grad():
+        norm2.weight.copy_(w), norm2.bias.copy_(b)
+    got_h, got = modulate.gate_residual_layer_norm(h, gate, y, w, b, rounding="once", tier="torch")
+    want_h = (h.float() + y * gate).type_as(h)
+    assert torch.equal(got_h, want_h) and torch.equal(got, norm2(want_h.float()).type_as(h))
+    got_h, got = modulate.residual_layer_norm_modulate(h, y, scale, shift, rounding="once", tier="torch")
+    norm3 = torch.nn.LayerNorm(24, eps=1e-6, elementwise_affine=False)
+    assert torch.equal(got_h, h + y)
+    assert torch.equal(got, (norm3((h + y).float()) * (1 + scale) + shift).type_as(h))

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import DTYPES, HAS_TRITON, UNIT, hyp, needs_triton, ulps
-from torchpatches.ops import _rope_tiers, _tiers, linear_gelu, modulate, qk_norm_rope, rope, slices, swiglu
+from torchpatches.ops import _rope_tiers, _tiers, linear_gelu, modulate, qk_norm_rope, rms_norm_rope, rope, slices, swiglu
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -139,6 +139,12 @@ def _qk(x: torch.Tensor, tier: Any) -> torch.Tensor:
                                      tier=tier)[0]
 
 
+def _rms_rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
+    w = torch.cat([_W, _W])  # across 2 heads of 8
+    return rms_norm_rope.rms_norm_rope(x, x * 2, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, cos=_COS, sin=_SIN,
+                                       tier=tier)[0]
+
+
 def _rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return rope.apply_rope_qk(x.reshape(x.shape[0], x.shape[1], 2, -1), None, _COS, _SIN, tier=tier)[0]
 
@@ -146,6 +152,7 @@ def _rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
 OPS: Dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
     "layer_norm_modulate": _lnmod, "gate_residual": _gate, "swiglu": _swiglu, "gelu_tanh_into": _gelu_into,
     "qk_norm_rope": _qk, "apply_rope_qk": _rope,
+    "rms_norm_rope": _rms_rope,
 }
 
 

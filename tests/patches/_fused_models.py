@@ -9,11 +9,14 @@ import torch
 #: The eager fusion patterns.
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
          "sd3_qk_norm", "sd3_block",
+         "wan_block",
+         "wan_qk_norm_rope",
          "qwenimage_block",
          "qwenimage_qk_norm_rope")
 #: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
 MODELS = ("flux1", "flux2",
           "sd3",
+          "wan",
           "qwenimage")
 #: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
 #: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.

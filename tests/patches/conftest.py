@@ -26,10 +26,10 @@ def fused_on() -> Iterator[None]:
 def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
     """How often each fused op body ran (``"<op>"``), and how often with a tensor requiring grad
     (``"<op> with grad"``)."""
-    from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu
+    from torchpatches.ops import modulate, qk_norm_rope, rms_norm_rope, slices, swiglu
 
     counts: Dict[str, int] = collections.Counter()
-    for module in (modulate, qk_norm_rope, swiglu, slices):
+    for module in (modulate, qk_norm_rope, swiglu, slices, rms_norm_rope):
         real = module._impl
 
         def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = module.__name__, **kwargs: Any):

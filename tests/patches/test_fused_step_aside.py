@@ -206,6 +206,8 @@ REBINDS = {
     "F.rms_norm": ("flux2", torch.nn.functional, "rms_norm", _half_layer_norm),
     "F.gelu": ("flux1", torch.nn.functional, "gelu", lambda real: lambda x, approximate="none": real(x)),
     "torch.cat": ("flux1", torch, "cat", lambda real: lambda tensors, dim=0: real(list(tensors), dim=dim) + 1),
+    "wan F.layer_norm": ("wan", torch.nn.functional, "layer_norm", _half_layer_norm),
+    "wan F.rms_norm": ("wan", torch.nn.functional, "rms_norm", _half_layer_norm),
 }
 
 

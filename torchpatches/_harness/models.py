@@ -83,6 +83,20 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
     )),
+    # Wan2.1 T2V's block options (q/k RMSNorm across heads, affine cross-attention norm), 2 blocks, 4 heads x 8;
+    # 2 x 4 x 4 latent patches = 32 tokens, 8 text tokens. Pinned on it: the Wan fused-op call counts and tiny
+    # compile kernel counts of tests/patches/test_fused_wan.py.
+    "wan-fused": ("WanTransformer3DModel", dict(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        eps=1e-6, rope_max_seq_len=32,
+    )),
+    # wan-fused with Wan2.1 I2V's image context (added_kv_proj_dim, image embedder): 8 text + 4 image tokens.
+    "wan-fused-i2v": ("WanTransformer3DModel", dict(
+        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        eps=1e-6, rope_max_seq_len=32, image_dim=16, added_kv_proj_dim=32,
+    )),
     "hunyuanvideo": ("HunyuanVideoTransformer3DModel", dict(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
         num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
@@ -146,7 +160,8 @@ def tiny_inputs(
     Options (each model takes those that apply to it): ``attention_kwargs`` (passed as
     ``joint_attention_kwargs`` or ``attention_kwargs``, as the model names it); for FLUX.1/FLUX.2
     ``side`` (the latent grid is side x side tokens, 4), ``text_tokens`` (8); for FLUX.1 ``ids_3d``
-    (the deprecated ``[1, S, 3]`` ids); for ``feedforward`` any extra call argument (``scale=0.5``).
+    (the deprecated ``[1, S, 3]`` ids); for Wan ``side`` (2 latent frames of side x side, 8); for
+    ``feedforward`` any extra call argument (``scale=0.5``).
     """
     generator = torch.Generator().manual_seed(1)
 
@@ -220,9 +235,15 @@ def _qwenimage_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor]
 
 
 def _wan_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
-                dtype: torch.dtype) -> Dict[str, Any]:
-    return dict(hidden_states=randn(1, 4, 2, 8, 8), timestep=torch.tensor([500], device=device),
-                encoder_hidden_states=randn(1, 8, 32), return_dict=False)
+                dtype: torch.dtype, side: int = 8) -> Dict[str, Any]:
+    """2 latent frames of ``side`` x ``side`` (8: 32 tokens with patch (1, 2, 2)). ``image_dim`` in the config
+    (I2V): 4 CLIP image tokens too. The I2V processor splits the context at 512 text tokens (hard-coded in
+    diffusers), so an I2V model gets 512 text tokens."""
+    kwargs = dict(hidden_states=randn(1, 4, 2, side, side), timestep=torch.tensor([500], device=device),
+                  encoder_hidden_states=randn(1, 512 if config.get("image_dim") else 8, 32), return_dict=False)
+    if config.get("image_dim"):
+        kwargs["encoder_hidden_states_image"] = randn(1, 4, config["image_dim"])
+    return kwargs
 
 
 def _hunyuanvideo_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,

@@ -30,15 +30,29 @@ def _once(fn, x: torch.Tensor, *tensors: torch.Tensor, **kwargs) -> torch.Tensor
     return fn(x.float(), *(t.float() for t in tensors), **kwargs).to(x.dtype)
 
 
+def layer_norm_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, once: bool
+                      ) -> torch.Tensor:
+    # Wan (cross_attn_norm): FP32LayerNorm(h.float()).type_as(h), i.e. F.layer_norm in fp32 rounded once
+    if once:
+        return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def apply(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-          once: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(h, out) for the three forms, as the Triton kernel computes them (the arguments of its ``launch``)."""
+          once: bool = False, affine: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(h, out) for the forms, as the Triton kernel computes them (the arguments of its ``launch``):
+    ``y`` without ``gate`` is a plain residual add (Wan: ``hidden_states + attn_output``); ``affine``:
+    ``scale``/``shift`` are a LayerNorm's weight and bias."""
     h = residual
     if gate is not None:
         h = _clip_fp16(_once(gate_residual, residual, gate, y, clip=False), clip) if once else \
             gate_residual(residual, gate, y, clip)
+    elif y is not None:
+        h = _clip_fp16(residual + y, clip)
     out = None
-    if scale is not None:
+    if scale is not None and affine:
+        out = layer_norm_affine(h, scale, shift, eps, once)
+    elif scale is not None:
         out = _once(layer_norm_modulate, h, scale, shift, eps=eps) if once else layer_norm_modulate(h, scale, shift, eps)
-    return (h if gate is not None else None), out
+    return (h if y is not None else None), out

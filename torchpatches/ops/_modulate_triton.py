@@ -3,7 +3,9 @@
 ROWS token rows per program (``[B, S, D]`` views, last dim unit-stride, any row strides):
 
     h   = round(residual + round(gate * y))            (HAS_GATE; fp16: clipped to +-65504 if CLIP)
+    h   = round(residual + y)                          (PLAIN: a residual add without gate, Wan's cross-attn)
     out = round(round(round(LN(h)) * round(1 + scale)) + shift)   (HAS_NORM; LN without affine)
+    out = round(LN(h) * weight + bias)                 (HAS_NORM and AFFINE: an affine LayerNorm, one rounding)
 
 ``round`` is a rounding to the tensors' dtype at exactly the points where diffusers' eager code
 rounds (each bf16/fp16 op rounds its fp32 result), so outputs match diffusers bit for bit except
@@ -21,7 +23,7 @@ import torch
 import triton.language as tl
 
 from ._launch import launch as launch_kernel
-from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
+from ._triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
 
 
 def _modulate_kernel(
@@ -30,7 +32,7 @@ def _modulate_kernel(
     r_sb, r_ss, g_sb, g_ss, y_sb, y_ss, c_sb, c_ss, t_sb, t_ss, h_sb, h_ss, o_sb, o_ss,
     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr, LIBDEVICE: tl.constexpr,
-    MID: tl.constexpr,
+    MID: tl.constexpr, PLAIN: tl.constexpr = False, AFFINE: tl.constexpr = False, HAS_RES: tl.constexpr = False,
 ):
     # ROWS token rows per program, [ROWS, BLOCK_D] tiles; all loads issued before the reductions so
     # their latencies overlap (the modulation vectors are L2 hits shared by every row of a sample).
@@ -44,12 +46,16 @@ def _modulate_kernel(
     x = tl.load(res_ptr + (b * r_sb + s * r_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_GATE:
         g = tl.load(gate_ptr + (b * g_sb + s * g_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
         y = tl.load(y_ptr + (b * y_sb + s * y_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_NORM:
         sc = tl.load(scale_ptr + (b * c_sb + s * c_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + (b * t_sb + s * t_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_GATE:
-        x = _round_to(x + _round_to(g * y, MID), KIND)
+        x = _round_to(x + _round_to(_mul_rn(g, y, LIBDEVICE), MID), KIND)  # no fma: torch rounds g * y first
+    if PLAIN:
+        x = _round_to(x + y, KIND)
+    if HAS_RES:
         if CLIP:  # diffusers' fp16 clip(-65504, 65504); NaN passes through as in torch.clip
             x = tl.where(x > 65504.0, 65504.0, tl.where(x < -65504.0, -65504.0, x))
         tl.store(h_ptr + (b * h_sb + s * h_ss)[:, None] + d[None, :], x.to(ty), mask=m)
@@ -58,9 +64,12 @@ def _modulate_kernel(
         xc = tl.where(m, x - mean[:, None], 0.0)
         var = tl.reduce(xc * xc, 1, _sum_combine) / D
         rstd = _rsqrt(var + eps, LIBDEVICE)
-        n = _round_to(xc * rstd[:, None], MID)
-        u = _round_to(n * _round_to(1.0 + sc, MID), MID)
-        o = _round_to(u + sh, KIND)
+        if AFFINE:  # torch's LayerNorm with weight and bias: fp32 throughout, one rounding
+            o = _round_to(xc * rstd[:, None] * sc + sh, KIND)
+        else:
+            n = _round_to(xc * rstd[:, None], MID)
+            u = _round_to(_mul_rn(n, _round_to(1.0 + sc, MID), LIBDEVICE), MID)
+            o = _round_to(u + sh, KIND)
         tl.store(out_ptr + (b * o_sb + s * o_ss)[:, None] + d[None, :], o.to(ty), mask=m)
 
 
@@ -102,12 +111,17 @@ def launch(
     eps: float,
     clip: bool,
     once: bool = False,
+    affine: bool = False,
 ) -> None:
-    """All tensors 3-D ``[B, S(or 1), D]`` with a unit-stride last dim (checked by ``ops/modulate.py``)."""
+    """All tensors 3-D ``[B, S(or 1), D]`` with a unit-stride last dim (checked by ``ops/modulate.py``);
+    ``affine``: ``scale``/``shift`` are the LayerNorm's ``[D]`` weight and bias (broadcast here)."""
     B, S, D = residual.shape
     if B * S == 0:
         return
+    if affine:
+        scale, shift = (t.view(1, 1, D).expand(B, 1, D) for t in (scale, shift))
     has_gate = gate is not None
+    has_res = y is not None
     has_norm = n_out is not None
     block_d = next_pow2(D)
     kernel = kernel_for(residual.device.type)
@@ -117,7 +131,7 @@ def launch(
     cfg = pick_config(block_d, residual.device.type != "cuda")
     rows = int(cfg["ROWS"])
     launch_kernel(kernel, (-(-(B * S) // rows),), (
-        residual, gate if has_gate else dummy, y if has_gate else dummy,
+        residual, gate if has_gate else dummy, y if has_res else dummy,
         scale if has_norm else dummy, shift if has_norm else dummy, h, o,
         B * S, S, D, float(eps),
         residual.stride(0), residual.stride(1), *_rows(gate, residual), *_rows(y, residual),
@@ -126,4 +140,5 @@ def launch(
         BLOCK_D=block_d, ROWS=rows, KIND=KINDS[residual.dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and residual.dtype == torch.float16), LIBDEVICE=residual.device.type == "cuda",
         MID=0 if once else KINDS[residual.dtype], num_warps=int(cfg["num_warps"]),
+        PLAIN=has_res and not has_gate, AFFINE=bool(affine), HAS_RES=has_res,
     ))

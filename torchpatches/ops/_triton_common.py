@@ -57,11 +57,21 @@ def _exp(x, LIBDEVICE: tl.constexpr):
         return tl.exp(x)
 
 
+def _mul_rn(x, y, LIBDEVICE: tl.constexpr):
+    # CUDA: __fmul_rn, a product rounded to fp32 that the compiler never contracts with a following add into a
+    # fused multiply-add: where torch rounds ``a * b`` before ``+ c`` (Wan's fp32 modulation, residuals, RoPE).
+    if LIBDEVICE:
+        return libdevice.mul_rn(x, y)
+    else:
+        return x * y
+
+
 ROUND_TO_PY = _round_to
 RSQRT_PY = _rsqrt
 EXP_PY = _exp
+MUL_RN_PY = _mul_rn
 #: Every helper by its global name, for ``interpreted``.
-HELPERS_PY = {"_round_to": _round_to, "_rsqrt": _rsqrt, "_exp": _exp}
+HELPERS_PY = {"_round_to": _round_to, "_rsqrt": _rsqrt, "_exp": _exp, "_mul_rn": _mul_rn}
 
 #: The combine function of ``tl.sum``. Kernels reduce with ``tl.reduce(x, axis, _sum_combine)``: the
 #: interpreter recognises it (a numpy sum), whereas ``tl.sum`` itself is a compiled ``@jit`` function
@@ -71,6 +81,7 @@ _sum_combine = tl.standard._sum_combine
 _round_to = triton.jit(ROUND_TO_PY)
 _rsqrt = triton.jit(RSQRT_PY)
 _exp = triton.jit(EXP_PY)
+_mul_rn = triton.jit(MUL_RN_PY)
 
 
 def interpreted(kernel_py: Any, helpers: Dict[str, Any]) -> Any:

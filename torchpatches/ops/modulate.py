@@ -5,12 +5,17 @@ Usable without any patching::
     out = layer_norm_modulate(x, scale, shift, eps=1e-6)          # LN(x) * (1 + scale) + shift
     h = gate_residual(residual, gate, y)                          # residual + gate * y
     h, out = gate_residual_layer_norm_modulate(residual, gate, y, scale, shift, eps=1e-6)
+    h, out = residual_layer_norm_modulate(residual, y, scale, shift, eps=1e-6)  # residual + y, no gate
+    h, out = gate_residual_layer_norm(residual, gate, y, weight, bias, eps=1e-6)  # affine LN(h)
 
 ``x``/``residual``/``y`` are ``[B, S, D]`` (last dim unit-stride; other strides free); ``scale``,
 ``shift`` and ``gate`` are ``[B, D]`` (one vector per sample, diffusers' adaLN-Zero chunks),
 ``[B, 1, D]`` (FLUX.2's modulation) or ``[B, S, D]`` (per-token, FLUX.2's KV-cache blend). The
-LayerNorm has no affine parameters (diffusers' ``elementwise_affine=False``). All tensors share one
-device; outputs are new contiguous tensors of ``x``'s dtype (fp32, bf16, fp16).
+LayerNorm has no affine parameters (diffusers' ``elementwise_affine=False``), except in
+``gate_residual_layer_norm``: a LayerNorm with ``[D]`` weight and bias and no modulation (Wan's
+``cross_attn_norm``), ``round(LN(h) * weight + bias)`` computed in fp32 and rounded once, as torch's
+LayerNorm kernel. All tensors share one device; outputs are new contiguous tensors of ``x``'s dtype
+(fp32, bf16, fp16).
 
 Two rounding modes (``rounding=``):
 
@@ -42,7 +47,8 @@ import torch
 from . import _args, _dispatch, _modulate_torch
 from ._tiers import FLOAT_DTYPES, choose_tier, force_tier, needs_grad
 
-__all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate", "force_tier", "ROUNDINGS"]
+__all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate",
+           "residual_layer_norm_modulate", "gate_residual_layer_norm", "force_tier", "ROUNDINGS"]
 
 #: ``"each"``: diffusers' rounding after every op; ``"once"``: fp32 compute rounded once (Wan's ``.type_as``).
 ROUNDINGS = ("each", "once")
@@ -71,60 +77,76 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-def _prepare(residual, gate, y, scale, shift, once):
-    residual = _rows(residual, "x" if gate is None else "residual")
-    if gate is not None:
+def _affine(t: torch.Tensor, name: str, ref: torch.Tensor, once: bool) -> torch.Tensor:
+    """A LayerNorm's ``[D]`` weight or bias (x's dtype, or any float dtype with rounding='once')."""
+    if not isinstance(t, torch.Tensor) or t.shape != ref.shape[-1:]:
+        raise ValueError(f"{name} must be a [{ref.shape[-1]}] tensor, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.device != ref.device or (t.dtype not in FLOAT_DTYPES if once else t.dtype != ref.dtype):
+        raise ValueError(f"{name} is {t.dtype} on {t.device}; expected a float dtype on {ref.device}")
+    return t.contiguous()
+
+
+def _prepare(residual, gate, y, scale, shift, once, affine=False):
+    residual = _rows(residual, "x" if y is None else "residual")
+    if y is not None:
         y = _rows(y, "y")
         if y.shape != residual.shape or y.dtype != residual.dtype or y.device != residual.device:
             raise ValueError(f"y {tuple(y.shape)} {y.dtype} on {y.device} does not match residual "
                              f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if affine:
+        return (residual, _vector(gate, "gate", residual, once), y, _affine(scale, "weight", residual, once),
+                _affine(shift, "bias", residual, once))
     return (residual, _vector(gate, "gate", residual, once), y, _vector(scale, "scale", residual, once),
             _vector(shift, "shift", residual, once))
 
 
 def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-          once: bool, tier: str) -> list[torch.Tensor]:
-    """The op body: [h] (gate only), [out] (norm only) or [h, out]."""
+          once: bool, tier: str, affine: bool = False) -> list[torch.Tensor]:
+    """The op body: [h] (residual only), [out] (norm only) or [h, out]. ``y`` without ``gate``: a plain
+    residual add; ``affine``: ``scale``/``shift`` are a LayerNorm's [D] weight and bias."""
     if tier == "torch":
-        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once)
+        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine)
     else:
         from . import _modulate_triton
 
-        h = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if gate is not None else None
+        h = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if y is not None else None
         out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if scale is not None else None
-        _modulate_triton.launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once)
+        _modulate_triton.launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine)
     return [t for t in (h, out) if t is not None]
 
 
 @torch.library.custom_op("torchpatches::modulate", mutates_args=())
 def _modulate_op(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                  scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-                 once: bool, tier: str) -> list[torch.Tensor]:
-    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier)
+                 once: bool, tier: str, affine: bool = False) -> list[torch.Tensor]:
+    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier, affine)
 
 
 @_modulate_op.register_fake
-def _(residual, gate, y, scale, shift, eps, clip, once, tier):
-    n = int(gate is not None) + int(scale is not None)
+def _(residual, gate, y, scale, shift, eps, clip, once, tier, affine=False):
+    n = int(y is not None) + int(scale is not None)
     return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
 
 
 @_dispatch.public
-def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding):
+def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affine=False):
     if gated and gate is None:
         raise ValueError("gate must be a torch.Tensor, got None")
+    if y is None and gate is not None:
+        raise ValueError("gate needs y")
     if scale is not None and (shift is None or eps is None):
         raise ValueError("scale needs shift and eps")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     once = rounding == "once"
     eps = None if eps is None else _args.number(eps, "eps")
-    residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift, once)
+    residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift, once, affine)
     grad = needs_grad(residual, gate, y, scale, shift)
     chosen = choose_tier(residual.device.type, tier, grad)
     return _dispatch.run(residual, grad, _impl, _modulate_op, residual, gate, y, scale, shift,
-                         float(eps or 0.0), bool(clip), once, chosen)
+                         float(eps or 0.0), bool(clip), once, chosen, bool(affine))
 
 
 def layer_norm_modulate(
@@ -171,4 +193,44 @@ def gate_residual_layer_norm_modulate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + gate * y`` and ``LayerNorm(h) * (1 + scale) + shift`` in one pass: ``(h, out)``."""
     h, out = _run(residual, gate, y, scale, shift, eps, clip_fp16, tier, True, rounding)
+    return h, out
+
+
+def residual_layer_norm_modulate(
+    residual: torch.Tensor,
+    y: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    clip_fp16: bool = False,
+    rounding: str = "each",
+    tier: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + y`` (no gate: Wan's cross-attention residual) and ``LayerNorm(h) * (1 + scale) + shift``
+    in one pass: ``(h, out)``. ``h`` rounds once in both modes (one add)."""
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"y must be a torch.Tensor, got {type(y).__name__}")
+    h, out = _run(residual, None, y, scale, shift, eps, clip_fp16, tier, False, rounding)
+    return h, out
+
+
+def gate_residual_layer_norm(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    clip_fp16: bool = False,
+    rounding: str = "each",
+    tier: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + gate * y`` and ``LayerNorm(h)`` with ``[D]`` ``weight`` and ``bias`` (no modulation)
+    in one pass: ``(h, out)``. Wan's ``cross_attn_norm``: ``rounding="once"``, weight and bias of any float
+    dtype (``FP32LayerNorm`` computes in fp32: ``norm2(h.float()).type_as(h)``)."""
+    if weight is None or bias is None:
+        raise ValueError("weight and bias must both be tensors")
+    h, out = _run(residual, gate, y, weight, bias, eps, clip_fp16, tier, True, rounding, affine=True)
     return h, out

@@ -23,8 +23,12 @@ A fused path may only skip diffusers' code where that changes nothing a user can
   dtype would differ), a gradient wanted (inputs or parameters); modules the fused path does not call
   that are not exactly the stock class without hooks (:func:`stock`).
 
+A check that reads several submodules can be decided once per module instance and input signature with
+:func:`remembered` (decided again when the module's or those submodules' state changes: hooks, a
+``forward`` on the instance, training mode, parameters after ``.to()``, a submodule replaced or rebound).
+
 ``pattern_on(name)`` says whether a sibling pattern is applied right now, from the registry's mark on its
-targets (``__torchpatches_patch__``). No state lives here.
+targets (``__torchpatches_patch__``). The only state here is :func:`remembered`'s, weakly keyed by module.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import importlib
 import operator
 import sys
 import types
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
@@ -42,7 +47,8 @@ from .._slot import MARK_ORIGINAL, MARK_PATCH
 from ..ops._tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
 __all__ = ["FALLBACK", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT", "fused", "steps_aside",
-           "fusable", "stock", "plain_layer_norm", "plain_rms_norm", "tensors_fit", "pattern_on", "Assumptions"]
+           "fusable", "stock", "plain_layer_norm", "plain_rms_norm", "tensors_fit", "pattern_on", "Assumptions",
+           "remembered"]
 
 
 #: A body's answer for a call it does not cover (given before it does anything): the original runs.
@@ -153,6 +159,50 @@ def _grad_free(modules: Iterable[torch.nn.Module], *tensors: Optional[torch.Tens
     return not any(p.requires_grad for module in modules for p in module.parameters())
 
 
+# ---- verdicts remembered per module instance -----------------------------------------------------------
+
+#: module -> (its state and its named children's when the verdicts were made, {key: verdict}).
+_VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, Tuple[tuple, dict]]" = weakref.WeakKeyDictionary()
+
+
+def _state(module: Any) -> tuple:
+    """What a module's verdicts depend on, read from its ``__dict__`` (``nn.Module.__getattr__`` costs more than
+    the rest together): its class, its forward hooks, a ``forward`` set on the instance (accelerate's and
+    diffusers' hooks), training mode, and its own parameters: which objects (by id: a tensor compared with
+    ``==`` would compare elements), their types, dtypes and devices (``.to()``). Nothing that refers back to
+    the module (a bound ``forward`` would keep it alive through the weak-keyed entry)."""
+    d = module.__dict__
+    return (type(module), len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), "forward" in d, d["training"],
+            *((id(p), type(p), p.dtype, p.device) if p is not None else None for p in d["_parameters"].values()))
+
+
+def remembered(module: Any, key: Any, check: Callable[[], bool], children: Tuple[str, ...] = ()) -> bool:
+    """``check()``, computed once per ``module`` instance and ``key`` (the input signature the check reads:
+    dtype, device, width...) while the module's state and that of its ``children`` (submodule names: the same
+    objects, in the same state) are unchanged (:func:`_state`); recomputed after any change. Worth it where
+    ``check`` reads several submodules (each ``nn.Module.__getattr__`` costs about a microsecond)."""
+    if not isinstance(module, torch.nn.Module):
+        return check()
+    try:
+        modules = module.__dict__["_modules"]
+        state = [_state(module)]
+        for name in children:  # by id: the entry must not keep a replaced child (or, through it, module) alive
+            child = modules.get(name)
+            state.append(None if child is None else (id(child), _state(child)))
+        entry = _VERDICTS.get(module)
+        if entry is None or entry[0] != state:
+            entry = _VERDICTS[module] = (state, {})
+    except (KeyError, TypeError):  # a module that skipped Module.__init__, or one that is not hashable
+        return check()
+    verdict = entry[1].get(key)
+    if verdict is None:
+        verdict = entry[1][key] = bool(check())
+    return verdict
+
+
+# ---- module predicates -------------------------------------------------------------------------------
+
+
 def stock(module: Any, cls: type) -> bool:
     """``module`` is exactly ``cls`` and nothing observes or wraps its forward."""
     return (
@@ -166,24 +216,23 @@ def stock(module: Any, cls: type) -> bool:
 def plain_layer_norm(norm: Any, width: int, cls: type = torch.nn.LayerNorm) -> bool:
     """A stock ``cls(width)`` without affine parameters, nothing hooked (``cls``: ``nn.LayerNorm``, or a
     model's own LayerNorm class such as diffusers' ``FP32LayerNorm`` where the op's rounding mode matches it)."""
-    return (
-        stock(norm, cls)
-        and norm.weight is None
-        and norm.bias is None
-        and tuple(norm.normalized_shape) == (width,)
-    )
+    if not stock(norm, cls):
+        return False
+    params = norm._parameters  # exactly cls: weight and bias live there (one read instead of two __getattr__)
+    return params.get("weight") is None and params.get("bias") is None and tuple(norm.normalized_shape) == (width,)
 
 
 def plain_rms_norm(norm: Any, x: torch.Tensor) -> bool:
     """A stock ``torch.nn.RMSNorm(head_dim)`` with a weight of x's dtype (torch's fused one-rounding path)."""
+    if not stock(norm, torch.nn.RMSNorm):
+        return False
+    weight = norm._parameters.get("weight")  # exactly RMSNorm: its weight lives there
     return (
-        stock(norm, torch.nn.RMSNorm)
-        and norm.eps is not None
+        norm.eps is not None
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and tuple(norm.normalized_shape) == (x.shape[-1],)
-        and isinstance(norm.weight, torch.Tensor)
-        and type(norm.weight) in (torch.Tensor, torch.nn.Parameter)
-        and norm.weight.dtype == x.dtype
-        and norm.weight.device == x.device
+        and weight.dtype == x.dtype
+        and weight.device == x.device
     )
 
 

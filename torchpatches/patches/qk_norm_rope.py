@@ -41,7 +41,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._declare import Patch, Target
-from ._fused_common import CAT, FALLBACK, RMS_NORM, SILU, fusable, fused, pattern_on, plain_rms_norm, stock
+from ._fused_common import (CAT, FALLBACK, RMS_NORM, SILU, fusable, fused, pattern_on, plain_rms_norm,
+                            remembered, stock)
 
 __all__ = ["PATCH"]
 
@@ -75,9 +76,17 @@ def _common_ok(processor: Any, attn: Any, hidden_states: Any, image_rotary_emb: 
     )
 
 
+_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
 def _norms_ok(attn: Any, x: torch.Tensor, joint: bool) -> bool:
-    norms = (attn.norm_q, attn.norm_k) + ((attn.norm_added_q, attn.norm_added_k) if joint else ())
-    return all(plain_rms_norm(norm, x) for norm in norms)
+    """Stock RMSNorms of x's dtype, device and width: decided once per attention module and that signature
+    while the norms are the same objects in the same state (``remembered``)."""
+    def check() -> bool:
+        norms = (attn.norm_q, attn.norm_k) + ((attn.norm_added_q, attn.norm_added_k) if joint else ())
+        return all(plain_rms_norm(norm, x) for norm in norms)
+
+    return remembered(attn, (x.dtype, x.device, x.shape[-1], joint), check, _NORMS)
 
 
 def _split_heads(attn: Any, *tensors: torch.Tensor) -> list[torch.Tensor]:

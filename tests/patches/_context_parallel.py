@@ -1,0 +1,220 @@
+"""Two ranks of diffusers' context parallelism on the CPU (gloo), for test_fused_context_parallel (not a test module).
+
+:func:`run_ranks` forks two ranks of the calling process (torch and diffusers are imported once, in the
+parent: a spawned rank would pay both imports again), each runs every :data:`CASES` entry and writes what
+it saw to ``<folder>/rank<r>.json``. Per case, on each rank: a tiny model (harness ``<model>-fused``) gets
+``enable_parallelism(config=ContextParallelConfig(...))`` and runs twice under context parallelism, with
+every fused pattern reverted and with them applied and the PyTorch tier forced (the fused path on CPU),
+and once without context parallelism (a sanity reference).
+
+What diffusers 0.42.1 needs to run this on a CPU-only host, and what this file supplies (nothing else):
+
+- ``ModelMixin._resolve_parallel_config`` computes ``rank % torch.accelerator.device_count()``, a
+  ``ZeroDivisionError`` on a host without an accelerator (the device it computes is unused by context
+  parallelism): :func:`_one_device` reports one device while ``enable_parallelism`` runs.
+- Ring attention needs a backend that returns the log-sum-exp. The ``native`` backend (the one that runs
+  on CPU) raises ``ValueError: Native attention does not support return_lse=True``; ``_native_flash``
+  calls ``aten::_scaled_dot_product_flash_attention``, which has no CPU kernel (``NotImplementedError``).
+  :func:`_cpu_flash_kernel` registers one for this process (torch's
+  ``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp), so the ring cases run
+  diffusers' own ring code over the ``_native_flash`` backend. The ``ring-native`` case records the
+  ``native`` backend's error.
+- Uneven shards (``ulysses_anything`` / ``ring_anything``) end in ``dist.all_gather`` of differently sized
+  tensors, which gloo refuses (``ProcessGroupGloo::allgather: invalid tensor size``); those cases pass a
+  ``cp_plan`` without the output gather (diffusers' own argument) and compare each rank's shard.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+#: name -> (ContextParallelConfig arguments, attention backend or None, tiny_inputs options, shards gathered)
+CASES: Dict[str, Tuple[Dict[str, Any], Any, Dict[str, Any], bool]] = {
+    "ulysses": (dict(ulysses_degree=2), None, {}, True),
+    "ring": (dict(ring_degree=2), "_native_flash", {}, True),
+    # 9 image + 7 text tokens: rank 0 gets 5 + 4, rank 1 gets 4 + 3.
+    "ulysses-uneven": (dict(ulysses_degree=2, ulysses_anything=True), None, dict(side=3, text_tokens=7), False),
+    "ring-uneven": (dict(ring_degree=2, ring_anything=True), "_native_flash", dict(side=3, text_tokens=7), False),
+}
+MODELS = ("flux1", "flux2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: The fused ops whose calls are counted (their ``_impl``: the body every tier and dispatch reaches).
+OPS = ("modulate", "qk_norm_rope", "swiglu", "slices")
+#: Seconds a collective may wait for the other rank before it raises (a failing rank must not hang the test).
+COLLECTIVE_TIMEOUT = 60
+
+
+@contextlib.contextmanager
+def _one_device() -> Iterator[None]:
+    """diffusers 0.42.1 divides the rank by the accelerator count; on a CPU-only host that is 0."""
+    real = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: max(real(), 1)
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = real
+
+
+def _cpu_flash_kernel() -> torch.library.Library:
+    """A CPU kernel for ``aten::_scaled_dot_product_flash_attention`` (diffusers' ``_native_flash`` backend,
+    the ring's log-sum-exp), through torch's CPU flash attention. Kept alive by the returned library."""
+    lib = torch.library.Library("aten", "IMPL")
+
+    def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, scale=scale)
+        empty = torch.empty(0, dtype=torch.int64)
+        return out, lse, empty, empty, query.shape[2], key.shape[2], empty, empty, query.new_empty(0)
+
+    lib.impl("_scaled_dot_product_flash_attention", flash, "CPU")
+    return lib
+
+
+def _count_op_calls(counts: Dict[str, Any]) -> None:
+    """Count each fused op body's calls and the token counts (dim 1) of its first tensor."""
+    import importlib
+
+    for name in OPS:
+        module = importlib.import_module(f"torchpatches.ops.{name}")
+        real = module._impl
+
+        def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = name, **kwargs: Any) -> Any:
+            counts[_name] += 1
+            if isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+                counts["tokens"].add(int(args[0].shape[1]))
+            return _real(*args, **kwargs)
+
+        module._impl = counting
+
+
+def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> Dict[str, Any]:
+    import torch.distributed as dist
+    from diffusers import ContextParallelConfig
+
+    import torchpatches
+    from _fused_models import FUSED
+    from torchpatches._harness import build_model, tiny_inputs
+    from torchpatches.ops._tiers import force_tier
+
+    config_args, backend, options, gathered = CASES[name]
+    config = f"{which}-fused"
+    model = build_model(config, dtype=dtype)
+    inputs = tiny_inputs(config, dtype=dtype, **options)
+    inputs.pop("return_dict")
+    with torch.no_grad(), torchpatches.disabled(*FUSED, "rope"):
+        single = model(**inputs, return_dict=False)[0]
+    if backend is not None:
+        model.set_attention_backend(backend)
+    plan = None if gathered else {"": model._cp_plan[""]}  # gloo cannot gather uneven shards
+    with _one_device():
+        model.enable_parallelism(config=ContextParallelConfig(**config_args), cp_plan=plan)
+    processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    with torch.no_grad():
+        with torchpatches.disabled(*FUSED, "rope"):
+            vanilla = model(**inputs, return_dict=False)[0]
+        counts.clear()
+        counts["tokens"] = set()
+        with force_tier("torch"):
+            fused = model(**inputs, return_dict=False)[0]
+    if not gathered:  # this rank's part of the sequence
+        single = single.tensor_split(2, dim=1)[dist.get_rank()]
+    return dict(
+        equal=bool(torch.equal(fused, vanilla)),
+        shape=list(fused.shape),
+        vs_single=float((vanilla.float() - single.float()).abs().max()) if vanilla.shape == single.shape else None,
+        counts={op: counts[op] for op in OPS},
+        tokens=sorted(counts["tokens"]),
+        processors_parallel=sum(getattr(p, "_parallel_config", None) is not None for p in processors),
+        processors=len(processors),
+    )
+
+
+def _native_ring_error() -> str:
+    """What diffusers' ``native`` backend (the one that runs on CPU) says to ring attention."""
+    from diffusers import ContextParallelConfig
+
+    from torchpatches._harness import build_model, tiny_inputs
+
+    model = build_model("flux1-fused")
+    inputs = tiny_inputs("flux1-fused")
+    with _one_device():
+        model.enable_parallelism(config=ContextParallelConfig(ring_degree=2))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except Exception as e:  # noqa: BLE001 (the error is the result)
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _rank(rank: int, store: str, folder: str, repo_tests: str) -> None:
+    """One rank: every case, results (or the first error) to ``folder/rank<rank>.json``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # forked: OpenMP's pool did not survive the fork; 2 ranks share the cores anyway
+    sys.path.insert(0, repo_tests)
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results: Dict[str, Any] = {}
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+    try:
+        import torchpatches
+        from _fused_models import FUSED
+
+        torchpatches.apply([*FUSED, "rope"])
+        counts: Dict[str, Any] = collections.Counter()
+        _count_op_calls(counts)
+        results["ring-native"] = _native_ring_error()
+        kernel = _cpu_flash_kernel()
+        for name in CASES:
+            for which in MODELS:
+                for dtype_name, dtype in DTYPES.items():
+                    results[f"{name}/{which}/{dtype_name}"] = _case(name, which, dtype, counts)
+        del kernel
+    except BaseException:  # noqa: BLE001 (reported to the parent; the other rank's collectives time out)
+        results["error"] = traceback.format_exc()
+    finally:
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(results))
+        dist.destroy_process_group()
+
+
+def _import_once() -> None:
+    """What both ranks import, imported in the parent before the fork (else each rank pays it, on shared cores)."""
+    import importlib
+
+    for name in ("torch.distributed.device_mesh", "diffusers.models.transformers.transformer_flux",
+                 "diffusers.models.transformers.transformer_flux2", "diffusers.hooks.context_parallel",
+                 "torchpatches._harness", *(f"torchpatches.ops.{op}" for op in OPS)):
+        importlib.import_module(name)
+
+
+def run_ranks(folder: Path, timeout: float = 240.0) -> List[Dict[str, Any]]:
+    """Fork two ranks, wait for both (at most ``timeout`` s, then end them), return their results."""
+    import torch.multiprocessing as mp
+
+    _import_once()
+    tests = str(Path(__file__).resolve().parent)
+    context = mp.start_processes(_rank, args=(str(folder / "store"), str(folder), tests), nprocs=2,
+                                 join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the two ranks did not finish in {timeout:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]

@@ -1,0 +1,72 @@
+"""The fused patterns under diffusers' context parallelism: two CPU ranks (gloo), tiny FLUX.1 / FLUX.2.
+
+``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and
+uneven shards (``ulysses_anything`` / ``ring_anything``), fp32 and bf16, the PyTorch tier forced so the fused
+glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern
+reverted; the fused block / norm / activation patterns ran on that rank's shard of the sequence; the
+attention processors (which diffusers gives a ``_parallel_config``) stepped aside. What diffusers 0.42.1
+lacks on a CPU-only host, and what the ranks supply, is in ``_context_parallel.py``.
+
+One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not depend on torch's
+release, so one session of the matrix runs it (marker ``once``: tests-2.13.0).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+from _context_parallel import CASES, DTYPES, MODELS, run_ranks  # noqa: E402
+
+pytestmark = [
+    pytest.mark.once,
+    pytest.mark.skipif(torch.accelerator.is_available(),
+                       reason="the CPU test: on a host with an accelerator diffusers builds its device mesh there"),
+]
+
+#: Fused op calls per forward under context parallelism (1 double + 2 single blocks). The processors step
+#: aside (no qk_norm_rope; FLUX.2's single-block processor also skips its SwiGLU buffer, so no slices), the
+#: blocks', norms' and activations' patterns run: the same counts as without context parallelism otherwise.
+EXPECTED = {
+    "flux1": {"modulate": 11, "qk_norm_rope": 0, "swiglu": 0, "slices": 4},
+    "flux2": {"modulate": 11, "qk_norm_rope": 0, "swiglu": 4, "slices": 0},
+}
+#: Tokens per rank (image + text, and each stream alone): even 16 + 8 -> 8 + 4; uneven 9 + 7 -> 5 + 4 / 4 + 3.
+TOKENS = {True: [[4, 8, 12], [4, 8, 12]], False: [[4, 5, 9], [3, 4, 7]]}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
+    results = run_ranks(Path(tmp_path_factory.mktemp("context_parallel")))
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+    return results
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("which", MODELS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_glue_on_each_shard_equals_diffusers(ranks: List[Dict[str, Any]], case: str, which: str,
+                                                   dtype: str) -> None:
+    gathered = CASES[case][3]
+    for rank, results in enumerate(ranks):
+        got = results[f"{case}/{which}/{dtype}"]
+        assert got["equal"], (rank, got)
+        assert got["counts"] == EXPECTED[which], (rank, got)
+        assert got["tokens"] == TOKENS[gathered][rank], (rank, got)  # the patterns saw this rank's shard
+        assert got["processors"] > 0 and got["processors_parallel"] == got["processors"], (rank, got)
+        # Context parallelism itself computed the model (the shard, or all of it after the gather).
+        tolerance = 1e-5 if dtype == "float32" else 3e-2
+        assert got["vs_single"] is not None and got["vs_single"] <= tolerance, (rank, got)
+
+
+def test_ring_attention_needs_a_log_sum_exp_on_cpu(ranks: List[Dict[str, Any]]) -> None:
+    """Why the ring cases bring a CPU flash kernel: diffusers' CPU backend cannot do ring attention."""
+    for results in ranks:
+        assert results["ring-native"] == "ValueError: Native attention does not support return_lse=True"

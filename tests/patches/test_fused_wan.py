@@ -1,0 +1,315 @@
+"""The Wan eager fusion patterns: wan_block, wan_qk_norm_rope (and gelu_gemm on Wan's feed-forward).
+
+On the tiny ``wan-fused`` transformer (Wan2.1 T2V's block options, 2 blocks; CPU): the fused path (a forced
+tier stands in for the GPU) computes what diffusers computes; the I2V image context, hooks, LoRA layers,
+gradients, context-parallel processors, other rotary dtypes and torch.compile get diffusers' code. Op call
+counters show which path ran. The shared step-aside cases (forward AD, vmap/jvp, autocast) run on ``wan``
+through ``_fused_models.MODELS``.
+"""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Dict
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+import torchpatches  # noqa: E402
+from _fused_models import DEVICE, FUSED, reverted, run  # noqa: E402
+from diffusers.models import activations  # noqa: E402
+from diffusers.models.transformers import transformer_wan  # noqa: E402
+from torchpatches.ops._tiers import force_tier  # noqa: E402
+from torchpatches.patches import wan_qk_norm_rope  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fused_on")
+
+#: Fused op calls per forward of tiny Wan (2 blocks): per block 4 modulate (norm1 + modulate, gate +
+#: residual + norm2, residual + norm3 + modulate, gate + residual) and 2 rms_norm_rope (self, cross).
+EXPECTED = {"modulate": 8, "rms_norm_rope": 4}
+
+
+def tiny(name: str, dtype: torch.dtype = torch.float32, config: str = "wan-fused"):
+    """The harness's ``wan-fused`` (2 blocks) on 2 frames of 4 x 4 latents: 8 video tokens, 8 text tokens
+    (few token rows keep Triton's interpreter quick)."""
+    from torchpatches._harness import build_model, tiny_inputs
+
+    assert name == "wan"
+    model = build_model(config, dtype=dtype, device=DEVICE)
+    inputs = tiny_inputs(config, dtype=dtype, device=DEVICE, side=4)
+    inputs.pop("return_dict")
+    return model, inputs
+
+
+def _exact_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    """The patched run whose result must equal diffusers' bit for bit: gelu_gemm off (on CUDA its cuBLASLt
+    epilogue rounds once where diffusers rounds twice; on CPU it never runs)."""
+    with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
+        return run(model, inputs)
+
+
+def _block_inputs(model: torch.nn.Module, inputs: Dict[str, Any]):
+    """(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb) as the model hands them to block 0."""
+    seen: Dict[str, Any] = {}
+
+    def grab(module, args):
+        seen["args"] = args
+
+    handle = model.blocks[0].register_forward_pre_hook(grab)
+    try:
+        with torchpatches.disabled(*FUSED):
+            run(model, inputs)
+    finally:
+        handle.remove()
+    return seen["args"]
+
+
+# ---- the fused path computes what diffusers computes ----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_path_equals_diffusers(dtype: torch.dtype, calls: Dict[str, int]) -> None:
+    """PyTorch tier forced: the rearranged code gives diffusers' values bit for bit."""
+    model, inputs = tiny("wan", dtype)
+    ref = reverted(model, inputs)
+    assert not calls, "the vanilla run must not reach the fused ops"
+    out = _exact_run(model, inputs)
+    assert dict(calls) == EXPECTED
+    assert torch.equal(out, ref)
+
+
+def test_fp32_tables_of_a_bf16_checkpoint(calls: Dict[str, int]) -> None:
+    """As ``from_pretrained(torch_dtype=bf16)`` leaves Wan: norms and modulation tables in fp32 (the
+    class's ``_keep_in_fp32_modules``), the rest bf16. Still bit for bit, still fused."""
+    model, inputs = tiny("wan", torch.bfloat16)
+    for block in model.blocks:
+        for module in (block.norm2,):
+            module.float()
+        block.scale_shift_table.data = block.scale_shift_table.data.float()
+    ref = reverted(model, inputs)
+    out = _exact_run(model, inputs)
+    assert dict(calls) == EXPECTED and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_in_the_model(dtype: torch.dtype, calls: Dict[str, int]) -> None:
+    """The Triton kernels (interpreter) inside the model: fp32 within 1e-5; bf16 one-ulp differences at
+    most, carried through two blocks of bf16 GEMMs."""
+    pytest.importorskip("triton")
+    model, inputs = tiny("wan", dtype)
+    ref = reverted(model, inputs)
+    with force_tier("triton"):
+        out = run(model, inputs)
+    assert dict(calls) == EXPECTED
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the automatic tier is the kernels'")
+def test_cpu_without_a_forced_tier_runs_diffusers(calls: Dict[str, int]) -> None:
+    model, inputs = tiny("wan")
+    assert torch.equal(run(model, inputs), reverted(model, inputs))
+    assert not calls
+
+
+@pytest.mark.parametrize("off", ["wan_block", "wan_qk_norm_rope"])
+def test_each_pattern_alone(off: str, calls: Dict[str, int]) -> None:
+    model, inputs = tiny("wan")
+    ref = reverted(model, inputs)
+    with force_tier("torch"), torchpatches.disabled(off):
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    assert calls["modulate"] == (0 if off == "wan_block" else 8)
+    assert calls["rms_norm_rope"] == (0 if off == "wan_qk_norm_rope" else 4)
+
+
+def test_fused_projections(calls: Dict[str, int]) -> None:
+    """``attn.fuse_projections()``: q, k, v are chunks of one ``to_qkv`` output (strided rows)."""
+    model, inputs = tiny("wan")
+    for block in model.blocks:
+        block.attn1.fuse_projections()
+        block.attn2.fuse_projections()
+    ref = reverted(model, inputs)
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and dict(calls) == EXPECTED
+
+
+def test_without_cross_attn_norm(calls: Dict[str, int]) -> None:
+    """``cross_attn_norm=False`` (norm2 is ``nn.Identity``): the gated residual alone fused, norm2 called."""
+    model, inputs = tiny("wan")
+    for block in model.blocks:
+        block.norm2 = torch.nn.Identity()
+    ref = reverted(model, inputs)
+    out = _exact_run(model, inputs)
+    assert torch.equal(out, ref) and dict(calls) == EXPECTED
+
+
+def test_wan22_per_token_modulation(calls: Dict[str, int]) -> None:
+    """Wan 2.2 TI2V hands blocks a per-token ``temb`` ``[B, S, 6, D]``: per-token vectors, still fused."""
+    model, inputs = tiny("wan")
+    hidden, text, temb, rotary = _block_inputs(model, inputs)
+    per_token = temb[:, None].expand(-1, hidden.shape[1], -1, -1) * torch.linspace(
+        0.5, 1.5, hidden.shape[1], device=DEVICE)[None, :, None, None]
+    block = model.blocks[0]
+    with torch.no_grad():
+        with torchpatches.disabled(*FUSED):
+            ref = block(hidden, text, per_token, rotary)
+        with force_tier("torch"):
+            out = block(hidden, text, per_token, rotary)
+    assert torch.equal(out, ref)
+    assert calls["modulate"] == 4
+
+
+def test_gelu_gemm_serves_wans_feed_forward() -> None:
+    """Wan's FeedForward("gelu-approximate") projects through diffusers' tanh ``GELU``: the class whose
+    forward the gelu_gemm patch replaces (it runs the cuBLASLt epilogue on CUDA; CPU keeps diffusers' ops)."""
+    model, _ = tiny("wan")
+    act = model.blocks[0].ffn.net[0]
+    assert type(act) is activations.GELU and act.approximate == "tanh"
+    assert activations.GELU.forward.__torchpatches_patch__ == "gelu_gemm"
+
+
+# ---- what the fused paths hand back ---------------------------------------------------------------
+
+
+def test_i2v_image_context_runs_diffusers_cross_attention(calls: Dict[str, int]) -> None:
+    """Wan2.1 I2V's cross-attention (``add_k_proj``, a second attention over the image tokens) runs
+    diffusers' processor; the self-attention and the block glue stay fused."""
+    model, inputs = tiny("wan", config="wan-fused-i2v")
+    ref = reverted(model, inputs)
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    assert dict(calls) == {"modulate": 8, "rms_norm_rope": 2}
+
+
+def test_forward_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
+    model, inputs = tiny("wan")
+    ref = reverted(model, inputs)
+    seen: Dict[str, int] = collections.Counter()
+    first, second = model.blocks
+    hooks = [
+        first.norm1.register_forward_hook(lambda m, a, o: seen.update(["norm1"])),
+        second.norm2.register_forward_hook(lambda m, a, o: seen.update(["norm2"])),
+        second.attn1.norm_q.register_forward_hook(lambda m, a, o: seen.update(["norm_q"])),
+    ]
+    try:
+        with force_tier("torch"):
+            out = run(model, inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert torch.equal(out, ref)
+    assert seen == {"norm1": 1, "norm2": 1, "norm_q": 1}
+    # Block 0 ran diffusers' forward (its processors stay fused); block 1 fused its glue, with norm2 called as
+    # a module (the gated residual alone fused), and its self-attention processor fell back.
+    assert dict(calls) == {"modulate": 4, "rms_norm_rope": 3}
+
+
+def test_subclassed_norm_gets_diffusers_code(calls: Dict[str, int]) -> None:
+    class MyRMSNorm(torch.nn.RMSNorm):
+        pass
+
+    model, inputs = tiny("wan")
+    attn = model.blocks[0].attn2
+    mine = MyRMSNorm(attn.inner_dim, eps=attn.norm_k.eps).to(DEVICE)
+    mine.load_state_dict(attn.norm_k.state_dict())
+    attn.norm_k = mine.requires_grad_(False)
+    ref = reverted(model, inputs)
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and calls["rms_norm_rope"] == 3
+
+
+def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
+    """A LoRA-loaded Wan (peft) on the usual Wan LoRA targets: identical to diffusers, and the LoRA acts."""
+    peft = pytest.importorskip("peft")
+    model, inputs = tiny("wan")
+    base = reverted(model, inputs)
+    config = peft.LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                             target_modules=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"])
+    model.add_adapter(config)
+    ref = reverted(model, inputs)
+    assert not torch.equal(ref, base), "the adapter must change the output"
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and dict(calls) == EXPECTED
+
+
+def test_gradients_get_diffusers_code(calls: Dict[str, int]) -> None:
+    model, inputs = tiny("wan")
+    model.requires_grad_(True)
+    with torchpatches.disabled(*FUSED):
+        ref = model(**inputs, return_dict=False)[0]
+    with force_tier("torch"):
+        out = model(**inputs, return_dict=False)[0]
+    assert torch.equal(out, ref) and not calls
+    out.sum().backward()
+    assert model.blocks[0].scale_shift_table.grad is not None
+
+
+def test_prompt_requiring_grad_gets_diffusers_code(calls: Dict[str, int]) -> None:
+    """A frozen model with only the prompt requiring grad: the cross-attention's k needs it."""
+    model, inputs = tiny("wan")
+    hidden, text, temb, rotary = _block_inputs(model, inputs)
+    text = text.detach().requires_grad_(True)
+    block = model.blocks[0]
+    with torchpatches.disabled(*FUSED):
+        ref = block(hidden, text, temb, rotary)
+    with force_tier("torch"):
+        out = block(hidden, text, temb, rotary)
+    assert torch.equal(out, ref) and calls["modulate"] == 0 and calls["rms_norm_rope"] == 1  # self-attention only
+    out.sum().backward()
+    assert text.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_rotary_of_another_dtype_gets_diffusers_self_attention(dtype: torch.dtype, calls: Dict[str, int]) -> None:
+    """Wan's RoPE computes in the promoted dtype of its tables: only fp32 tables take the kernel."""
+    model, inputs = tiny("wan")
+    hidden, text, temb, (cos, sin) = _block_inputs(model, inputs)
+    rotary = (cos.to(dtype), sin.to(dtype))
+    block = model.blocks[0]
+    with torch.no_grad():
+        with torchpatches.disabled(*FUSED):
+            ref = block(hidden, text, temb, rotary)
+        with force_tier("torch"):
+            out = block(hidden, text, temb, rotary)
+    assert torch.equal(out, ref)
+    assert calls["rms_norm_rope"] == 1 and calls["modulate"] == 4  # cross-attention and the glue only
+
+
+def test_context_parallel_processor_is_not_covered() -> None:
+    """A processor with a parallel config (context parallelism splits the sequence and all-gathers k/v):
+    diffusers' code; the same processor without one is covered."""
+    model, inputs = tiny("wan")
+    hidden, text, temb, rotary = _block_inputs(model, inputs)
+    attn = model.blocks[0].attn1
+    processor = transformer_wan.WanAttnProcessor()
+    with torch.no_grad(), force_tier("torch"):
+        norm = model.blocks[0].norm1(hidden.float()).type_as(hidden)
+        assert wan_qk_norm_rope._covered(processor, attn, norm, None, rotary)
+        processor._parallel_config = object()
+        assert not wan_qk_norm_rope._covered(processor, attn, norm, None, rotary)
+
+
+# ---- torch.compile: the patterns step aside --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_compile_same_kernels_and_outputs(calls: Dict[str, int], record_property: Callable[[str, Any], None]) -> None:
+    from test_fused_patches import compile_and_count
+
+    model, inputs = tiny("wan")
+    with torchpatches.disabled(*FUSED):
+        ref, ref_kernels = compile_and_count(model, inputs)
+    with force_tier("torch"):  # even with the fused path allowed on CPU, tracing keeps diffusers' code
+        out, kernels = compile_and_count(model, inputs)
+    torch._dynamo.reset()
+    record_property("inductor_fused_kernels", dict(vanilla=ref_kernels, patched=kernels))
+    print(f"\ninductor kernels, tiny wan, CPU, torch {torch.__version__}: vanilla {ref_kernels}, patched {kernels}")
+    assert not calls
+    assert kernels == ref_kernels
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -1,0 +1,144 @@
+"""wan_qk_norm_rope: Wan 2.x attention with q/k RMSNorm (across heads) and RoPE in one kernel (eager).
+
+What goes wrong upstream
+    ``WanAttnProcessor.__call__`` (diffusers ``transformer_wan.py``) normalizes q and k with
+    ``torch.nn.RMSNorm`` over the full width (``qk_norm="rms_norm_across_heads"``), then, in self-attention,
+    rotates them with a nested ``apply_rotary_emb`` that computes in fp32 through strided views: six fp32
+    elementwise kernels, an ``empty_like`` and two strided copies per tensor. For Wan2.1-14B at 480x832x81
+    (32,760 tokens x 5120) that is about 38 bf16-sized passes over q and k per block where 4 suffice.
+    ``torch.compile`` fuses them; eager users pay.
+
+What the patch changes
+    ``WanAttnProcessor.__call__`` runs the projections, the attention and ``to_out`` exactly as diffusers
+    does (module calls, so LoRA layers and hooks on them keep working) and replaces the stretch in between
+    by ``torchpatches.ops.rms_norm_rope.rms_norm_rope``: one launch that normalizes q and k over their width
+    and (self-attention) rotates them; the cross-attention's q (image tokens) and k (text tokens) are
+    normalized in one launch too. Everything else runs diffusers' own ``__call__``: the I2V image context
+    (``add_k_proj``), ``torch.compile``, norms that are not stock ``torch.nn.RMSNorm(inner_dim)`` with a
+    weight of the activations' dtype, hooked norms, a rotary embedding that is not Wan's fp32
+    ``(cos, sin)`` pair of ``[1, S, 1, head_dim]``, context-parallel configs, gradients (also forward AD
+    and functorch transforms), ``torch.jit.trace``, autocast, a replaced global of the processor
+    (``dispatch_attention_fn``, ``_get_qkv_projections``) or of ``F.rms_norm`` / ``RMSNorm.forward``, tensor
+    subclasses, CPU tensors.
+
+Tolerance
+    torch's fused RMSNorm then Wan's RoPE, rounding at the same two points; fp32 reduction order and fused
+    multiply-adds may move a result by one ulp (``ops/rms_norm_rope.py``).
+
+Versions
+    diffusers 0.42.x (fingerprint verified on 0.42.1); torch >= 2.4.
+
+When to delete
+    When diffusers fuses Wan's q/k norm and RoPE for eager mode.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import torch
+
+from .._declare import Patch, Target
+from ._fused_common import FALLBACK, RMS_NORM, fusable, fused, plain_rms_norm, stock
+
+__all__ = ["PATCH"]
+
+_WAN = "diffusers.models.transformers.transformer_wan"
+
+
+def _rotary_fits(rotary_emb: Any, x: torch.Tensor, head_dim: int) -> bool:
+    """Wan's ``WanRotaryPosEmbed`` output: fp32 ``(cos, sin)`` of ``[1, S, 1, head_dim]``."""
+    if not isinstance(rotary_emb, (tuple, list)) or len(rotary_emb) != 2:
+        return False
+    return all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.device == x.device
+               and tuple(t.shape) == (1, x.shape[1], 1, head_dim) for t in rotary_emb)
+
+
+def _norms_stock(attn: Any) -> bool:
+    return all(stock(norm, torch.nn.RMSNorm) and tuple(norm.normalized_shape) == (attn.inner_dim,)
+               for norm in (attn.norm_q, attn.norm_k))
+
+
+def _covered(processor: Any, attn: Any, hidden_states: Any, encoder_hidden_states: Any, rotary_emb: Any) -> bool:
+    rotary = tuple(rotary_emb) if isinstance(rotary_emb, (tuple, list)) else (rotary_emb,)
+    return (
+        attn.add_k_proj is None  # I2V: the image context's extra attention runs in diffusers' code
+        and getattr(processor, "_parallel_config", None) is None
+        and fusable(hidden_states, (attn,), encoder_hidden_states, *(t for t in rotary if isinstance(t, torch.Tensor)))
+        and hidden_states.dim() == 3
+        and attn.inner_dim % attn.heads == 0
+        and _norms_stock(attn)
+        and (rotary_emb is None or _rotary_fits(rotary_emb, hidden_states, attn.inner_dim // attn.heads))
+    )
+
+
+def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any):
+    """(q, k) normalized (and rotated) by one launch, or None if a tensor does not fit the op."""
+    if not (type(query) is torch.Tensor and type(key) is torch.Tensor and query.dim() == 3 and key.dim() == 3
+            and plain_rms_norm(attn.norm_q, query) and plain_rms_norm(attn.norm_k, key)):
+        return None
+    cos = sin = None
+    if rotary_emb is not None:
+        cos, sin = (t[0, :, 0] for t in rotary_emb)  # [S, head_dim] views
+    from ..ops.rms_norm_rope import rms_norm_rope  # lazily: importing an op registers torch.library ops
+
+    try:
+        return rms_norm_rope(query, key, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
+                             eps_q=attn.norm_q.eps, eps_k=attn.norm_k.eps, cos=cos, sin=sin)
+    except ValueError:  # e.g. a projection returned another dtype or width; the op checks before it computes
+        return None
+
+
+def _apply_rotary_emb(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor):
+    # diffusers 0.42.1 WanAttnProcessor.__call__'s nested apply_rotary_emb (used when the op does not fit)
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+def _diffusers_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any):
+    """diffusers 0.42.1's stretch from the projections to the rotated heads."""
+    query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+    key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+    if rotary_emb is not None:
+        query = _apply_rotary_emb(query, *rotary_emb)
+        key = _apply_rotary_emb(key, *rotary_emb)
+    return query, key
+
+
+def _processor(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+    if not _covered(self, attn, hidden_states, encoder_hidden_states, rotary_emb):
+        return FALLBACK
+    module = sys.modules[_WAN]
+    query, key, value = module._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+    qk: Optional[tuple] = _fused_qk(attn, query, key, rotary_emb)
+    if qk is None:
+        query, key = _diffusers_qk(attn, query, key, rotary_emb)
+    else:
+        query, key = (t.unflatten(2, (attn.heads, -1)) for t in qk)
+    value = value.unflatten(2, (attn.heads, -1))
+    # diffusers 0.42.1 from here on (no image context: add_k_proj is None; no parallel config)
+    hidden_states = module.dispatch_attention_fn(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+        backend=self._attention_backend, parallel_config=None,
+    )
+    hidden_states = hidden_states.flatten(2, 3)
+    hidden_states = hidden_states.type_as(query)
+    hidden_states = attn.to_out[0](hidden_states)
+    hidden_states = attn.to_out[1](hidden_states)
+    return hidden_states
+
+
+PATCH = Patch(
+    name="wan_qk_norm_rope",
+    summary="Wan attention: q/k RMSNorm across heads + RoPE in one kernel (eager)",
+    targets=(
+        Target(f"{_WAN}:WanAttnProcessor.__call__", make_replacement=fused("wan_qk_norm_rope", _processor, RMS_NORM),
+               fingerprints=frozenset({"6bfcee2af4a77d09"})),  # diffusers 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)
