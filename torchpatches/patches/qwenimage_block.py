@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .._declare import Patch, Target
-from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, plain_layer_norm
+from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, plain_layer_norm, remembered
 from ._modulate_calls import modulated, residual, residual_modulated
 
 __all__ = ["PATCH"]
@@ -56,9 +56,17 @@ def _covered(self: Any, hidden_states: Any, encoder_hidden_states: Any, temb: An
         and type(temb) is torch.Tensor
         and hidden_states.dim() == 3
         and encoder_hidden_states.dim() == 3
-        and all(plain_layer_norm(norm, width) for norm in (self.img_norm1, self.img_norm2, self.txt_norm1,
-                                                            self.txt_norm2))
+        and _norms_fit(self, width)
     )
+
+
+_NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
+
+
+def _norms_fit(block: Any, width: int) -> bool:
+    """Stock affine-free LayerNorms of this width: decided once per block and width while the norms are the
+    same objects in the same state (``remembered``)."""
+    return remembered(block, width, lambda: all(plain_layer_norm(getattr(block, n), width) for n in _NORMS), _NORMS)
 
 
 def _block(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb=None,

@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._declare import Patch, Target
-from ._fused_common import CAT, FALLBACK, fusable, fused, stock
+from ._fused_common import CAT, FALLBACK, fusable, fused, remembered, stock
 from ._qwenimage_tables import joint_mask, rope_tables
 
 __all__ = ["PATCH"]
@@ -68,6 +68,18 @@ def _rms_norm_fits(norm: Any, x: torch.Tensor) -> bool:
         and w.device == x.device
         and isinstance(norm.eps, (int, float))
     )
+
+
+_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+def _norms_fit(attn: Any, x: torch.Tensor) -> bool:
+    """The four q/k norms fit x: decided once per attention module and x's dtype, device and head dim while
+    the norms are the same objects in the same state (``remembered``)."""
+    def check() -> bool:
+        return all(_rms_norm_fits(getattr(attn, name), x) for name in _NORMS)
+
+    return remembered(attn, (x.dtype, x.device, x.shape[-1]), check, _NORMS)
 
 
 def _mask_fits(mask: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor) -> bool:
@@ -102,8 +114,7 @@ def _fused_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any) -> Option
     q = img[0]
     if any(type(t) is not torch.Tensor or t.dtype != q.dtype for t in img + txt):
         return None
-    norms = (attn.norm_q, attn.norm_k, attn.norm_added_q, attn.norm_added_k)
-    if not all(_rms_norm_fits(norm, q) for norm in norms):
+    if not _norms_fit(attn, q):
         return None
     tables = rope_tables(*image_rotary_emb, q.shape[1], txt[0].shape[1], q.shape[-1], q.device)
     if tables is None:
