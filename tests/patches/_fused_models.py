@@ -46,3 +46,13 @@ def reverted(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
 
     with torchpatches.disabled(*FUSED, "rope"):
         return run(model, inputs)
+
+
+def exact_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    """The patched run whose result must equal diffusers' bit for bit: the PyTorch tier forced and gelu_gemm off
+    (on CUDA its cuBLASLt epilogue rounds once where diffusers rounds twice; on the CPU it never runs)."""
+    import torchpatches
+    from torchpatches.ops._tiers import force_tier
+
+    with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
+        return run(model, inputs)

@@ -17,7 +17,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, reverted, run  # noqa: E402
+from _fused_models import DEVICE, FUSED, exact_run, reverted, run  # noqa: E402
 from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_wan  # noqa: E402
 from torchpatches.ops._tiers import force_tier  # noqa: E402
@@ -40,13 +40,6 @@ def tiny(name: str, dtype: torch.dtype = torch.float32, config: str = "wan-fused
     inputs = tiny_inputs(config, dtype=dtype, device=DEVICE, side=4)
     inputs.pop("return_dict")
     return model, inputs
-
-
-def _exact_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
-    """The patched run whose result must equal diffusers' bit for bit: gelu_gemm off (on CUDA its cuBLASLt
-    epilogue rounds once where diffusers rounds twice; on CPU it never runs)."""
-    with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
-        return run(model, inputs)
 
 
 def _block_inputs(model: torch.nn.Module, inputs: Dict[str, Any]):
@@ -74,7 +67,7 @@ def test_fused_path_equals_diffusers(dtype: torch.dtype, calls: Dict[str, int]) 
     model, inputs = tiny("wan", dtype)
     ref = reverted(model, inputs)
     assert not calls, "the vanilla run must not reach the fused ops"
-    out = _exact_run(model, inputs)
+    out = exact_run(model, inputs)
     assert dict(calls) == EXPECTED
     assert torch.equal(out, ref)
 
@@ -88,7 +81,7 @@ def test_fp32_tables_of_a_bf16_checkpoint(calls: Dict[str, int]) -> None:
             module.float()
         block.scale_shift_table.data = block.scale_shift_table.data.float()
     ref = reverted(model, inputs)
-    out = _exact_run(model, inputs)
+    out = exact_run(model, inputs)
     assert dict(calls) == EXPECTED and torch.equal(out, ref)
 
 
@@ -142,7 +135,7 @@ def test_without_cross_attn_norm(calls: Dict[str, int]) -> None:
     for block in model.blocks:
         block.norm2 = torch.nn.Identity()
     ref = reverted(model, inputs)
-    out = _exact_run(model, inputs)
+    out = exact_run(model, inputs)
     assert torch.equal(out, ref) and dict(calls) == EXPECTED
 
 
@@ -233,8 +226,7 @@ def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
     model.add_adapter(config)
     ref = reverted(model, inputs)
     assert not torch.equal(ref, base), "the adapter must change the output"
-    with force_tier("torch"):
-        out = run(model, inputs)
+    out = exact_run(model, inputs)
     assert torch.equal(out, ref) and dict(calls) == EXPECTED
 
 
