@@ -220,8 +220,11 @@ _TWICE = """
 """
 _STATES = "import torchpatches; print({n: s.state.value for n, s in torchpatches.status().items()})"
 _COUNT = "import torchpatches; print(len(torchpatches.status()))"
-DISABLE_ALL = ["all", "ALL", " rope , inductor_realize,compile_warnings adaln,qk_norm_rope, gate_residual,gelu_gemm,SWIGLU "
-               " sd3_qk_norm,SD3_BLOCK lora wan_block,WAN_QK_NORM_ROPE "]
+_MESSY = (" rope , inductor_realize,compile_warnings adaln,qk_norm_rope, gate_residual,gelu_gemm,SWIGLU "
+          " sd3_qk_norm,SD3_BLOCK lora wan_block,WAN_QK_NORM_ROPE ")
+#: Every name spelled out: a messy list of the first ones (spaces, commas, case), then every later patch.
+DISABLE_ALL = ["all", "ALL", _MESSY + ",".join(sorted(
+    set(torchpatches.patch_names()) - {n.strip().lower() for n in _MESSY.replace(",", " ").split()}))]
 BAD_VALUES = ["ropee", "\u00e9\u00e9,;;", "x" * 10000]
 
 

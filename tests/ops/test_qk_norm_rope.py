@@ -258,3 +258,39 @@ def test_sd3_form_compiles_fullgraph_as_a_custom_op() -> None:
     for got, ref in zip(compiled(*args), fn(*args)):
         assert torch.equal(got, ref)
     torch._dynamo.reset()
+
+
+# ---- QwenImage's form: complex RoPE as cos/sin tables, text first, diffusers' RMSNorm (rounding="each") ------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qwenimage_torch_tier_equals_diffusers_modules(dtype: torch.dtype) -> None:
+    """diffusers' RMSNorm modules + QwenImage's complex ``apply_rotary_emb_qwen`` + torch.cat, bit for bit,
+    with the complex freqs as ``cos = Re``, ``sin = Im`` repeated per pair. Head dim 16: with 4 complex
+    values per head (D = 8) torch's CPU complex product takes another loop that differs by an fp32 ulp
+    (a fused multiply-add), as CUDA's may."""
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v, qt, kt, vt = ((torch.randn(1, n, 2, 16, generator=g) * 2).to(dtype) for n in (5, 5, 5, 3, 3, 3))
+    norms = [RMSNorm(16, eps=1e-6).to(dtype) for _ in range(4)]
+    for n in norms:
+        n.weight.data = (torch.rand(16, generator=g) + 0.5).to(dtype)
+    freqs = torch.polar(torch.ones(8, 8), torch.rand(8, 8, generator=g) * 10)  # [txt rows; image rows]
+    with torch.no_grad():
+        rq = torch.cat([apply_rotary_emb_qwen(norms[2](qt), freqs[:3], use_real=False),
+                        apply_rotary_emb_qwen(norms[0](q), freqs[3:], use_real=False)], 1)
+        rk = torch.cat([apply_rotary_emb_qwen(norms[3](kt), freqs[:3], use_real=False),
+                        apply_rotary_emb_qwen(norms[1](k), freqs[3:], use_real=False)], 1)
+        pairs = torch.view_as_real(freqs)
+        cos, sin = pairs[..., 0].repeat_interleave(2, -1), pairs[..., 1].repeat_interleave(2, -1)
+        oq, ok, ov = qk_norm_rope(q, k, cos, sin, q_weight=norms[0].weight, k_weight=norms[1].weight, eps_q=1e-6,
+                                  eps_k=1e-6, v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=norms[2].weight,
+                                  k_txt_weight=norms[3].weight, eps_q_txt=1e-6, eps_k_txt=1e-6, tier="torch",
+                                  rounding="each")
+    assert torch.equal(oq, rq) and torch.equal(ok, rk) and torch.equal(ov, torch.cat([vt, v], 1))
+    if dtype != torch.float32:  # the rounding before the weight matters: torch's fused RMSNorm differs
+        fused = qk_norm_rope(q, k, cos[3:], sin[3:], q_weight=norms[0].weight, k_weight=norms[1].weight,
+                             eps_q=1e-6, eps_k=1e-6, tier="torch")[0]
+        assert not torch.equal(fused, oq[:, 3:])

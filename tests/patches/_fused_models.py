@@ -10,18 +10,22 @@ import torch
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
          "sd3_qk_norm", "sd3_block",
          "wan_block",
-         "wan_qk_norm_rope")
+         "wan_qk_norm_rope",
+         "qwenimage_block",
+         "qwenimage_qk_norm_rope")
 #: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
 MODELS = ("flux1", "flux2",
           "sd3",
-          "wan")
+          "wan",
+          "qwenimage")
 #: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
 #: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.
 DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))
 
 
 def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
-    """The harness's ``flux1-fused`` / ``flux2-fused`` (1 double + 2 single blocks), 16 image + 8 text tokens."""
+    """The harness's ``<name>-fused``: ``flux1-fused`` / ``flux2-fused`` (1 double + 2 single blocks), 16 image
+    + 8 text tokens; ``qwenimage-fused`` (2 blocks), 16 image + 8 text tokens, the last 2 masked out."""
     from torchpatches._harness import build_model, tiny_inputs
 
     config = f"{name}-fused"

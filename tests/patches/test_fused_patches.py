@@ -119,6 +119,7 @@ def test_patch_modules_import_nothing_heavy() -> None:
         import torchpatches
         import torchpatches.patches.adaln, torchpatches.patches.qk_norm_rope, torchpatches.patches.gate_residual
         import torchpatches.patches.gelu_gemm, torchpatches.patches.swiglu
+        import torchpatches.patches.qwenimage_block, torchpatches.patches.qwenimage_qk_norm_rope
         heavy = [m for m in ("diffusers", "triton", "torch._dynamo", "torch._inductor") if m in sys.modules]
         assert not heavy, heavy
         # the ops register torch.library ops when imported (~18 ms): they load with a patch's target; the
@@ -292,8 +293,9 @@ def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
     assert calls["qk_norm_rope"] > 0  # projections are called as modules, so the fused stretch still runs
 
 
-def test_gradients_get_diffusers_code(calls: Dict[str, int]) -> None:
-    model, inputs = tiny_flux2()
+@pytest.mark.parametrize("which, embedder", [("flux2", "x_embedder"), ("qwenimage", "img_in")])
+def test_gradients_get_diffusers_code(which: str, embedder: str, calls: Dict[str, int]) -> None:
+    model, inputs = tiny(which)
     model.requires_grad_(True)
     with torchpatches.disabled(*FUSED):
         ref = model(**inputs, return_dict=False)[0]
@@ -301,7 +303,7 @@ def test_gradients_get_diffusers_code(calls: Dict[str, int]) -> None:
         out = model(**inputs, return_dict=False)[0]
     assert torch.equal(out, ref) and not calls
     out.sum().backward()
-    assert model.x_embedder.weight.grad is not None
+    assert getattr(model, embedder).weight.grad is not None
 
 
 def test_joined_is_a_view_only_for_adjacent_slices() -> None:

@@ -7,6 +7,7 @@ no download; diffusers is imported when a model is built.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, Tuple, Union
 
 import torch
@@ -69,6 +70,13 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     )),
     "qwenimage": ("QwenImageTransformer2DModel", dict(
         patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+    )),
+    # 2 double-stream blocks (the second gets the first's outputs), head dim 16, inputs with a padded
+    # text mask. Pinned on it: the qwenimage_* fused-op call counts and tiny compile kernel counts
+    # (tests/patches/test_fused_qwenimage.py).
+    "qwenimage-fused": ("QwenImageTransformer2DModel", dict(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
     )),
     "wan": ("WanTransformer3DModel", dict(
@@ -161,7 +169,7 @@ def tiny_inputs(
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     config = CONFIGS[name][1]
-    builder = _INPUTS[name.split("-")[0]]
+    builder = _INPUTS.get(name) or _INPUTS[name.split("-")[0]]
     attention_kwargs = options.pop("attention_kwargs", None)
     kwargs = builder(config, randn, torch.device(device), dtype, **options)
     if attention_kwargs is not None:
@@ -213,13 +221,16 @@ def _sd3_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], devi
 
 
 def _qwenimage_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
-                      dtype: torch.dtype, mixed_sizes: bool = False) -> Dict[str, Any]:
+                      dtype: torch.dtype, mixed_sizes: bool = False, text_padding: int = 0) -> Dict[str, Any]:
     """``mixed_sizes``: a batch of two images of different sizes (4x4 and 2x8 latent patches), which
-    QwenImage's RoPE does not support and warns about (using the first image's size for both)."""
+    QwenImage's RoPE does not support and warns about (using the first image's size for both).
+    ``text_padding``: the last text tokens masked out (0 in ``encoder_hidden_states_mask``)."""
     batch = 2 if mixed_sizes else 1
     shapes = [[(1, 4, 4)], [(1, 2, 8)]] if mixed_sizes else [[(1, 4, 4)]]
+    mask = torch.ones(batch, 8, dtype=torch.long, device=device)
+    mask[:, 8 - text_padding:] = 0
     return dict(hidden_states=randn(batch, 16, 16), encoder_hidden_states=randn(batch, 8, 32),
-                encoder_hidden_states_mask=torch.ones(batch, 8, dtype=torch.long, device=device),
+                encoder_hidden_states_mask=mask,
                 timestep=torch.full((batch,), 0.5, device=device, dtype=dtype), img_shapes=shapes, return_dict=False)
 
 
@@ -280,6 +291,7 @@ _INPUTS: Dict[str, Callable[..., Dict[str, Any]]] = {
     "wan": _wan_inputs, "hunyuanvideo": _hunyuanvideo_inputs, "feedforward": _feedforward_inputs,
     "chroma": _flux_like_inputs, "ovis": _flux_like_inputs, "auraflow": _auraflow_inputs, "pixart": _pixart_inputs,
     "dreamlite": _dreamlite_inputs,
+    "qwenimage-fused": functools.partial(_qwenimage_inputs, text_padding=2),
 }
 _ATTENTION_KWARGS = {
     "flux1": "joint_attention_kwargs", "flux2": "joint_attention_kwargs", "sd3": "joint_attention_kwargs",

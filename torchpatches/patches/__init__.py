@@ -4,5 +4,7 @@
 PATCH_MODULES = ("inductor_realize", "compile_warnings", "rope", "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
                  "sd3_qk_norm", "sd3_block",
                  "wan_block",
-                 "wan_qk_norm_rope")
+                 "wan_qk_norm_rope",
+                 "qwenimage_block",
+                 "qwenimage_qk_norm_rope")
 PATCH_MODULES += ("lora",)  # peft LoRA layers (issue 17)

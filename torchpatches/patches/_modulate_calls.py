@@ -71,16 +71,18 @@ def residual(h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, clip: bool
 
 
 def residual_modulated(
-    norm: Any, h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
+    norm: Any, h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+    *, fuse: Optional[bool] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = h + gate * y`` and ``norm(h) * (1 + scale) + shift``; one kernel for both while adaln is on."""
+    """``h = h + gate * y`` and ``norm(h) * (1 + scale) + shift``; one kernel for both while adaln is on
+    (``fuse=None``, FLUX) or when ``fuse`` (a pattern that owns its LayerNorm, QwenImage's block)."""
     fits = (
         h.dim() == 3
         and y.shape == h.shape
         and tensors_fit(y, dtype=h.dtype, device=h.device)
         and _vectors_fit(h, gate, scale, shift)
     )
-    if fits and pattern_on("adaln") and plain_layer_norm(norm, h.shape[-1]):
+    if fits and (pattern_on("adaln") if fuse is None else fuse) and plain_layer_norm(norm, h.shape[-1]):
         from ..ops import modulate as ops
 
         return ops.gate_residual_layer_norm_modulate(h, gate, y, scale, shift, eps=norm.eps)

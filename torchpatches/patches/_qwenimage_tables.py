@@ -1,0 +1,84 @@
+"""What QwenImage's fused attention processor computes once per step instead of once per block.
+
+Every ``QwenImageTransformerBlock`` of a forward gets the same ``image_rotary_emb`` tuple and the same
+``encoder_hidden_states_mask`` tensor, and diffusers' processor rebuilds from them, per block, things
+that depend on nothing else:
+
+- :func:`rope_tables`: the complex RoPE frequencies (``apply_rotary_emb_qwen(use_real=False)``) as
+  the fp32 ``cos``/``sin`` tables of ``ops.qk_norm_rope`` (``[S_txt + S_img, D]``, text rows first,
+  each value repeated for its interleaved pair);
+- :func:`joint_mask`: the joint ``[B, 1, 1, S_txt + S_img]`` mask (text mask, then ones for the image),
+  built by diffusers' own two lines the first time.
+
+Both are cached per source tensor in weak-keyed dictionaries: an entry lives exactly as long as the
+tensor it was built from (the pipeline's per-step freqs and mask), and is rebuilt when a source or the
+cached result was written in place (``_version``), or the other inputs differ. No entry outlives a step
+in diffusers' pipelines, so nothing accumulates. Inference tensors (made under ``torch.inference_mode()``)
+carry no version counter, so an in-place write could not be seen: for them nothing is cached and each
+block builds its own, as diffusers does (2 small launches each).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Tuple
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["rope_tables", "joint_mask"]
+
+_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _versions(*tensors: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """The tensors' version counters, or None where one has none (an inference tensor: never cached)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
+
+
+def _freqs_fit(t: Any, device: torch.device, half: int) -> bool:
+    return type(t) is torch.Tensor and t.dtype == torch.complex64 and t.device == device and t.dim() == 2 \
+        and t.shape[1] == half
+
+
+def rope_tables(img_freqs: Any, txt_freqs: Any, s_img: int, s_txt: int, head_dim: int, device: torch.device
+                ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(cos, sin)`` for ``[txt_freqs; img_freqs]``, or None if the freqs are not complex64 ``[S, D/2]``
+    tables of these lengths on ``device`` (the processor then runs diffusers' code)."""
+    half = head_dim // 2
+    if not (_freqs_fit(img_freqs, device, half) and _freqs_fit(txt_freqs, device, half)
+            and img_freqs.shape[0] == s_img and txt_freqs.shape[0] == s_txt):
+        return None
+    key = _versions(img_freqs, txt_freqs)
+    hit = _TABLES.get(img_freqs) if key is not None else None
+    if hit is not None:
+        txt_ref, versions, tables, tables_version = hit
+        if txt_ref() is txt_freqs and versions == key and tables._version == tables_version:
+            return tables[0], tables[1]
+    pairs = torch.view_as_real(torch.cat([txt_freqs, img_freqs], dim=0))  # [S, D/2, (re, im)]
+    # [(cos, sin), S, D/2, pair]: each of Re / Im repeated for the two elements of its pair, in one copy.
+    tables = pairs.permute(2, 0, 1).unsqueeze(-1).expand(2, s_txt + s_img, half, 2).reshape(2, -1, head_dim)
+    if key is not None and not tables.is_inference():
+        _TABLES[img_freqs] = (weakref.ref(txt_freqs), key, tables, tables._version)
+    return tables[0], tables[1]
+
+
+def joint_mask(encoder_hidden_states_mask: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 ``QwenDoubleStreamAttnProcessor2_0``'s joint attention mask, built once per mask."""
+    seq_img = hidden_states.shape[1]
+    versions = _versions(encoder_hidden_states_mask)
+    key = (versions, hidden_states.shape[0], seq_img, hidden_states.device)
+    hit = _MASKS.get(encoder_hidden_states_mask) if versions is not None else None
+    if hit is not None:
+        versions, joint, joint_version = hit
+        if versions == key and joint._version == joint_version:
+            return joint
+    # diffusers' own code, verbatim:
+    image_mask = torch.ones((hidden_states.shape[0], seq_img), dtype=torch.bool, device=hidden_states.device)
+    attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)
+    attention_mask = attention_mask[:, None, None, :]
+    if versions is not None and not attention_mask.is_inference():
+        _MASKS[encoder_hidden_states_mask] = (key, attention_mask, attention_mask._version)
+    return attention_mask

@@ -1,0 +1,111 @@
+"""qwenimage_block: QwenImage's double-stream block with LayerNorm + modulate and the gated residuals fused (eager).
+
+What goes wrong upstream
+    ``QwenImageTransformerBlock.forward`` (``transformer_qwenimage.py``) writes its adaLN glue inline:
+    per stream ``LayerNorm`` + ``x * (1 + scale) + shift`` (four eager ops) twice, and
+    ``h + gate * out`` (two ops) twice, plus fp16 clips: 24 launches per block and a dozen full passes
+    over the ``[B, S, D]`` activations of each stream. ``torch.compile`` fuses them; eager users pay
+    them in every one of the 60 blocks. No upstream issue or fix as of diffusers 0.42.1.
+
+What the patch changes
+    The block keeps every module call of diffusers' code (``img_mod`` / ``txt_mod``, the attention,
+    the MLPs: LoRA layers and hooks on them keep working) and replaces the tensor glue by
+    ``torchpatches.ops.modulate``: per stream ``layer_norm_modulate`` (norm1 + modulate, one pass),
+    ``gate_residual_layer_norm_modulate`` (the attention's gated residual and norm2 + modulate, one pass,
+    two outputs) and ``gate_residual`` (the MLP's gated residual with diffusers' fp16 clip): 3 launches
+    per stream. Every call it does not cover runs diffusers' forward: ``torch.compile``,
+    ``torch.jit.trace``, forward AD and functorch transforms, gradients, autocast, the edit models'
+    ``zero_cond_t`` / ``modulate_index`` (per-token modulation of the reference image), norms that are
+    not stock affine-free ``nn.LayerNorm`` or are hooked, a replaced global of the block or of
+    ``F.layer_norm`` / ``LayerNorm.forward``, tensor subclasses, CPU tensors.
+
+Tolerance
+    Bit-identical to diffusers with the PyTorch tier (CPU); the fused LayerNorm as in the ``adaln`` patch
+    (one ulp where the fp32 statistics differ in their last bit), the gate + residual bit-identical.
+
+Versions
+    diffusers 0.42.x (fingerprint verified on 0.42.1; 0.42.0's source of the target is the same); torch >= 2.4.
+
+When to delete
+    When diffusers fuses the block glue for eager mode.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from .._declare import Patch, Target
+from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, plain_layer_norm, remembered
+from ._modulate_calls import modulated, residual, residual_modulated
+
+__all__ = ["PATCH"]
+
+_QWEN = "diffusers.models.transformers.transformer_qwenimage"
+
+
+def _covered(self: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any, modulate_index: Any) -> bool:
+    width = hidden_states.shape[-1] if isinstance(hidden_states, torch.Tensor) else None
+    return (
+        type(self)._modulate is sys.modules[_QWEN].QwenImageTransformerBlock._modulate  # the fused path skips it
+        and not self.zero_cond_t  # the edit models: temb of 2B rows and per-token modulation (modulate_index)
+        and modulate_index is None
+        and fusable(hidden_states, (self,), encoder_hidden_states, temb)
+        and type(encoder_hidden_states) is torch.Tensor
+        and type(temb) is torch.Tensor
+        and hidden_states.dim() == 3
+        and encoder_hidden_states.dim() == 3
+        and _norms_fit(self, width)
+    )
+
+
+_NORMS = ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2")
+
+
+def _norms_fit(block: Any, width: int) -> bool:
+    """Stock affine-free LayerNorms of this width: decided once per block and width while the norms are the
+    same objects in the same state (``remembered``)."""
+    return remembered(block, width, lambda: all(plain_layer_norm(getattr(block, n), width) for n in _NORMS), _NORMS)
+
+
+def _block(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb, image_rotary_emb=None,
+           joint_attention_kwargs=None, modulate_index=None):
+    if not _covered(self, hidden_states, encoder_hidden_states, temb, modulate_index):
+        return FALLBACK
+    # diffusers 0.42.1 QwenImageTransformerBlock.forward with the glue fused (zero_cond_t is False here).
+    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+    img_shift1, img_scale1, img_gate1 = img_mod1.chunk(3, dim=-1)
+    txt_shift1, txt_scale1, txt_gate1 = txt_mod1.chunk(3, dim=-1)
+    img_modulated = modulated(self.img_norm1, hidden_states, img_scale1, img_shift1, fuse=True)
+    txt_modulated = modulated(self.txt_norm1, encoder_hidden_states, txt_scale1, txt_shift1, fuse=True)
+    img_attn_output, txt_attn_output = self.attn(
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    img_shift2, img_scale2, img_gate2 = img_mod2.chunk(3, dim=-1)
+    txt_shift2, txt_scale2, txt_gate2 = txt_mod2.chunk(3, dim=-1)
+    hidden_states, img_modulated2 = residual_modulated(self.img_norm2, hidden_states, img_gate1, img_attn_output,
+                                                       img_scale2, img_shift2, fuse=True)
+    hidden_states = residual(hidden_states, img_gate2, self.img_mlp(img_modulated2), clip=True)
+    encoder_hidden_states, txt_modulated2 = residual_modulated(
+        self.txt_norm2, encoder_hidden_states, txt_gate1, txt_attn_output, txt_scale2, txt_shift2, fuse=True
+    )
+    encoder_hidden_states = residual(encoder_hidden_states, txt_gate2, self.txt_mlp(txt_modulated2), clip=True)
+    return encoder_hidden_states, hidden_states
+
+
+PATCH = Patch(
+    name="qwenimage_block",
+    summary="QwenImage blocks: LayerNorm + modulate, gate + residual (+ the next LayerNorm + modulate) fused (eager)",
+    targets=(
+        Target(f"{_QWEN}:QwenImageTransformerBlock.forward",
+               make_replacement=fused("qwenimage_block", _block, LAYER_NORM),
+               fingerprints=frozenset({"c14d21c1ab218e72"})),  # diffusers 0.42.0, 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)

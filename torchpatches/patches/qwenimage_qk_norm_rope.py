@@ -1,0 +1,220 @@
+"""qwenimage_qk_norm_rope: QwenImage's joint attention processor with q/k RMSNorm, RoPE and the concat in one kernel.
+
+What goes wrong upstream
+    Between its six projections and the attention call, diffusers' ``QwenDoubleStreamAttnProcessor2_0``
+    (``transformer_qwenimage.py``) runs four diffusers ``RMSNorm`` calls (eight eager ops each: cast,
+    pow, mean, add, rsqrt, multiply, cast, weight), four ``apply_rotary_emb_qwen`` calls in complex form
+    (fp32 cast, complex multiply, cast back), three ``torch.cat`` of the text and image rows and, per
+    block, the same joint attention mask again (``torch.ones`` + ``torch.cat``): about 50 launches per
+    block and a dozen passes over ``[B, S, H, D]`` tensors where one read of each input and one write
+    of each output suffice. No upstream issue or fix as of diffusers 0.42.1.
+
+What the patch changes
+    ``__call__`` runs the projections, the attention (``dispatch_attention_fn`` with the processor's
+    backend and the joint mask, unchanged) and the output projections exactly as diffusers does
+    (module calls: LoRA layers and hooks on them keep working), and replaces the stretch in between by
+    ``torchpatches.ops.qk_norm_rope.qk_norm_rope(rounding="each")``: one launch that
+    normalizes q and k per head as diffusers' ``RMSNorm`` rounds, rotates them and writes q, k and v
+    straight into the joint ``[B, S_txt + S_img, H, D]`` tensors. The complex freqs become the op's
+    fp32 ``cos``/``sin`` tables once per step, and the joint mask is built once per step
+    (``_qwenimage_tables``). Everything else runs diffusers' own ``__call__``: ``torch.compile``,
+    ``torch.jit.trace``, forward AD and functorch transforms, gradients, autocast, an external
+    ``attention_mask`` or no text stream (diffusers raises), no rotary embedding or one that is not two
+    complex64 tables of the streams' lengths, q/k norms that are not stock diffusers ``RMSNorm`` with a
+    weight of the activations' dtype and no bias, hooked norms, context-parallel configs
+    (``_parallel_config``), a replaced global of the processor (``apply_rotary_emb_qwen``,
+    ``dispatch_attention_fn``) or of ``RMSNorm.forward`` / ``torch.cat``, tensor subclasses, CPU tensors.
+
+Tolerance
+    Bit-identical to diffusers with the PyTorch tier (CPU); the Triton kernel rounds at the same points,
+    fp32 reduction order and fused multiply-adds may move a result by one ulp (``ops/qk_norm_rope.py``).
+
+Versions
+    diffusers 0.42.x (fingerprint verified on 0.42.1; 0.42.0's source of the target is the same); torch >= 2.4.
+
+When to delete
+    When diffusers fuses q/k norm and RoPE for eager mode (e.g. through its kernels hub).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+from .._declare import Patch, Target
+from ._fused_common import CAT, FALLBACK, fusable, fused, remembered, stock
+from ._qwenimage_tables import joint_mask, rope_tables
+
+__all__ = ["PATCH"]
+
+_QWEN = "diffusers.models.transformers.transformer_qwenimage"
+_NORMALIZATION = "diffusers.models.normalization"
+#: What the fused stretch skips besides the processor's own globals (checked per call by ``fused``).
+_ASSUMES = (f"{_NORMALIZATION}:RMSNorm.forward",) + CAT
+
+
+def _rms_norm_fits(norm: Any, x: torch.Tensor) -> bool:
+    """A stock diffusers ``RMSNorm(head_dim)`` with a weight of x's dtype and no bias (its non-NPU path)."""
+    cls = sys.modules[_NORMALIZATION].RMSNorm
+    w = getattr(norm, "weight", None)
+    return (
+        stock(norm, cls)
+        and norm.bias is None
+        and tuple(norm.dim) == (x.shape[-1],)
+        and type(w) in (torch.Tensor, torch.nn.Parameter)
+        and w.dtype == x.dtype
+        and w.device == x.device
+        and isinstance(norm.eps, (int, float))
+    )
+
+
+_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+def _norms_fit(attn: Any, x: torch.Tensor) -> bool:
+    """The four q/k norms fit x: decided once per attention module and x's dtype, device and head dim while
+    the norms are the same objects in the same state (``remembered``)."""
+    def check() -> bool:
+        return all(_rms_norm_fits(getattr(attn, name), x) for name in _NORMS)
+
+    return remembered(attn, (x.dtype, x.device, x.shape[-1]), check, _NORMS)
+
+
+def _mask_fits(mask: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor) -> bool:
+    if mask is None:
+        return True
+    return (
+        type(mask) is torch.Tensor
+        and mask.device == hidden_states.device
+        and tuple(mask.shape) == tuple(encoder_hidden_states.shape[:2])
+        and not mask.requires_grad
+    )
+
+
+def _covered(processor: Any, attn: Any, hidden_states: Any, encoder_hidden_states: Any, mask: Any,
+             attention_mask: Any, image_rotary_emb: Any) -> bool:
+    return (
+        encoder_hidden_states is not None
+        and attention_mask is None  # diffusers raises for an external mask: let it
+        and isinstance(image_rotary_emb, (tuple, list))
+        and len(image_rotary_emb) == 2
+        and fusable(hidden_states, (attn,), encoder_hidden_states)
+        and type(encoder_hidden_states) is torch.Tensor
+        and hidden_states.dim() == 3
+        and encoder_hidden_states.dim() == 3
+        and getattr(processor, "_parallel_config", None) is None
+        and _mask_fits(mask, hidden_states, encoder_hidden_states)
+    )
+
+
+def _fused_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any) -> Optional[tuple]:
+    """(q, k, v) joint tensors from the fused op, or None where a tensor does not fit it."""
+    q = img[0]
+    if any(type(t) is not torch.Tensor or t.dtype != q.dtype for t in img + txt):
+        return None
+    if not _norms_fit(attn, q):
+        return None
+    tables = rope_tables(*image_rotary_emb, q.shape[1], txt[0].shape[1], q.shape[-1], q.device)
+    if tables is None:
+        return None
+    from ..ops.qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
+
+    try:
+        return qk_norm_rope(img[0], img[1], *tables, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
+                            eps_q=attn.norm_q.eps, eps_k=attn.norm_k.eps, v=img[2], q_txt=txt[0], k_txt=txt[1],
+                            v_txt=txt[2], q_txt_weight=attn.norm_added_q.weight,
+                            k_txt_weight=attn.norm_added_k.weight, eps_q_txt=attn.norm_added_q.eps,
+                            eps_k_txt=attn.norm_added_k.eps, rounding="each")
+    except ValueError:  # e.g. a projection returned another shape; the op checks before it computes
+        return None
+
+
+def _diffusers_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any, module: Any) -> tuple:
+    """diffusers 0.42.1's code for the same stretch (when a tensor does not fit the op)."""
+    img_query, img_key, img_value = img
+    txt_query, txt_key, txt_value = txt
+    if attn.norm_q is not None:
+        img_query = attn.norm_q(img_query)
+    if attn.norm_k is not None:
+        img_key = attn.norm_k(img_key)
+    if attn.norm_added_q is not None:
+        txt_query = attn.norm_added_q(txt_query)
+    if attn.norm_added_k is not None:
+        txt_key = attn.norm_added_k(txt_key)
+    img_freqs, txt_freqs = image_rotary_emb
+    img_query = module.apply_rotary_emb_qwen(img_query, img_freqs, use_real=False)
+    img_key = module.apply_rotary_emb_qwen(img_key, img_freqs, use_real=False)
+    txt_query = module.apply_rotary_emb_qwen(txt_query, txt_freqs, use_real=False)
+    txt_key = module.apply_rotary_emb_qwen(txt_key, txt_freqs, use_real=False)
+    return (torch.cat([txt_query, img_query], dim=1), torch.cat([txt_key, img_key], dim=1),
+            torch.cat([txt_value, img_value], dim=1))
+
+
+def _processor(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+               attention_mask=None, image_rotary_emb=None):
+    if not _covered(self, attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
+                    image_rotary_emb):
+        return FALLBACK
+    module = sys.modules[_QWEN]
+    # diffusers 0.42.1 QwenDoubleStreamAttnProcessor2_0.__call__, with the q/k stretch fused.
+    if encoder_hidden_states_mask is not None:
+        attention_mask = joint_mask(encoder_hidden_states_mask, hidden_states)
+    seq_txt = encoder_hidden_states.shape[1]
+    head_dim = attn.inner_dim // attn.heads
+    img = [p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
+    txt = [p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+           for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
+    qkv = _fused_qkv(attn, img, txt, image_rotary_emb)
+    if qkv is None:
+        qkv = _diffusers_qkv(attn, img, txt, image_rotary_emb, module)
+    joint_query, joint_key, joint_value = qkv
+    joint_hidden_states = module.dispatch_attention_fn(
+        joint_query, joint_key, joint_value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+        backend=self._attention_backend, parallel_config=self._parallel_config,
+    )
+    joint_hidden_states = joint_hidden_states.flatten(2, 3).to(joint_query.dtype)
+    txt_attn_output = joint_hidden_states[:, :seq_txt, :]
+    img_attn_output = joint_hidden_states[:, seq_txt:, :]
+    img_attn_output = attn.to_out[0](img_attn_output.contiguous())
+    if len(attn.to_out) > 1:
+        img_attn_output = attn.to_out[1](img_attn_output)  # dropout
+    txt_attn_output = attn.to_add_out(txt_attn_output.contiguous())
+    return img_attn_output, txt_attn_output
+
+
+def _named_parameters(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The replacement with the original's parameters spelled out: diffusers' ``Attention.forward`` passes a
+    processor only the keyword arguments its ``__call__``'s signature names (``encoder_hidden_states_mask``,
+    ``image_rotary_emb``), and reads that signature under ``torch.compile`` too. A real parameter list (not a
+    ``__signature__`` attribute, which Dynamo cannot read without a graph break) keeps both working."""
+
+    def make_named(original: Any) -> Any:
+        # In a tuple: benchmarks/dit.py takes the functions a replacement closes over for its pattern's body,
+        # and fused()'s replacement code is shared by every pattern (this pattern's file still counts).
+        method = (make(original),)
+
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                     attention_mask=None, image_rotary_emb=None):
+            return method[0](self, attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                             attention_mask, image_rotary_emb)
+
+        functools.update_wrapper(__call__, original, assigned=("__name__", "__qualname__", "__doc__"), updated=())
+        del __call__.__wrapped__  # as fused(): the registry marks it with the original
+        return __call__
+
+    functools.update_wrapper(make_named, make)  # a fused() factory still (benchmarks/dit.py finds patterns so)
+    return make_named
+
+
+PATCH = Patch(
+    name="qwenimage_qk_norm_rope",
+    summary="QwenImage attention processor: q/k RMSNorm + complex RoPE + text/image concat in one kernel (eager)",
+    targets=(
+        Target(f"{_QWEN}:QwenDoubleStreamAttnProcessor2_0.__call__",
+               make_replacement=_named_parameters(fused("qwenimage_qk_norm_rope", _processor, _ASSUMES)),
+               fingerprints=frozenset({"6d1be42e5eb224d8"})),  # diffusers 0.42.0, 0.42.1
+    ),
+    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+)
