@@ -229,6 +229,30 @@ def test_patch_state_selects_its_own_graph() -> None:
     assert w.info().captures == 3
 
 
+def test_peft_adapters_recapture() -> None:
+    peft = pytest.importorskip("peft")
+    model, inputs = build_model("flux1-fused"), tiny_inputs("flux1-fused")
+    w = wrap(model)
+
+    def captures_now(**extra: Any) -> int:
+        with force_tier("torch"), torch.no_grad():
+            assert torch.equal(w(**inputs, **extra)[0], model(**inputs, **extra)[0])
+        return w.info().captures
+
+    assert captures_now() == 1
+    for name in ("a", "b"):
+        model.add_adapter(peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"], init_lora_weights=False),
+                          adapter_name=name)                                    # modules injected
+        assert captures_now() == 2 + (name == "b")
+    model.set_adapters(["a", "b"], [0.5, 1.0])                                  # active adapters and scaling
+    assert captures_now() == 4
+    model.set_adapters(["a", "b"], [0.7, 1.0])                                  # scaling alone
+    assert captures_now() == 5 and captures_now() == 5
+    assert captures_now(joint_attention_kwargs={"scale": 0.5}) == 6            # a scale argument: its own key
+    model.disable_adapters()
+    assert captures_now() == 7
+
+
 # ---- what runs eagerly, what is refused ---------------------------------------------------------------------
 
 

@@ -96,9 +96,9 @@ def global_token(device_type: str) -> Tuple[Any, ...]:
     forward hooks, grad and inference mode. Part of every key, so switching back finds the graph again."""
     from .ops._tiers import forced_tier
 
-    package = sys.modules.get(__package__)
-    registry = getattr(package, "_registry", None)
-    applied = registry.applied_names() if registry is not None else ()
+    # the package's Registry instance (``torchpatches._registry`` is rebound from the submodule to it on import)
+    applied_names = getattr(getattr(sys.modules.get(__package__), "_registry", None), "applied_names", None)
+    applied = applied_names() if applied_names is not None else ()
     m = torch.nn.modules.module
     autocast = torch.is_autocast_enabled(device_type)
     return (applied, forced_tier(), autocast, torch.get_autocast_dtype(device_type) if autocast else None,
