@@ -128,7 +128,7 @@ class ModelWatch:
     The snapshot lists every module's ``__dict__`` and every parameter and buffer once; a check reads, per module,
     the identities of its submodules, parameters and buffers (a replaced one changes its parent's entry), its
     hook counts, training mode, an instance ``forward``, an attention ``processor`` and peft's adapter state,
-    and per tensor its storage address and dtype. About 1 ms for FLUX.1-dev's 1,279 modules on a busy CPU."""
+    and per tensor its storage address and dtype. 1.4 ms for FLUX.1-dev's 1,279 modules on a busy 2-core CPU."""
 
     __slots__ = ("_dicts", "_tensors", "_adapters", "_processors", "_state")
 
