@@ -349,7 +349,7 @@ def test_gpu_flux_graphed_equals_eager() -> None:
     model = build_model("flux1-fused", dtype=torch.bfloat16, device="cuda")
     inputs = tiny_inputs("flux1-fused", dtype=torch.bfloat16, device="cuda")
     w = graphed(model)
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference mode: the test adds a submodule and converts the model inside
         want = model(**inputs)[0]
         assert torch.equal(w(**inputs)[0], want) and torch.equal(w(**inputs)[0], want)
         assert w.info()[:3] == (1, 2, 0)
@@ -365,6 +365,9 @@ def test_gpu_flux_graphed_equals_eager() -> None:
         assert torch.equal(w(**inputs)[0], model(**inputs)[0]) and w.info().captures == 4
         model.scale_probe = torch.nn.Linear(2, 2)  # a submodule added
         assert torch.equal(w(**inputs)[0], model(**inputs)[0]) and w.info().captures == 5
+        model.float().to(torch.bfloat16)           # the same dtype again, in new storage
+        assert torch.equal(w(**inputs)[0], model(**inputs)[0]) and w.info().captures == 6
+        assert w.info().replays == 8 and w.info().eager_calls == 0
 
 
 @gpu
