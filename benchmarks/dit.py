@@ -354,8 +354,8 @@ def _guarded(name: str, row: Row, what: str, action: Callable[[], None]) -> None
 
 def run_phases(name: str, rows: List[Row], args: argparse.Namespace, device: torch.device, steps: int,
                save: Callable[[], None]) -> None:
-    """Eager rows, then compiled rows with the eager "after" rows: first calls (compiles) first, so that the
-    rounds alternate steady states; then the profiles. Saved as it goes (a call cut short keeps the rest)."""
+    """Eager and graph rows, then compiled rows with the eager "after" rows: first calls (compiles) first, so that
+    the rounds alternate steady states; then the profiles. Saved as it goes (a call cut short keeps the rest)."""
     fresh_rows = ("eager/", "graph/")  # before any compile
     phases = [[r for r in rows if r.key.startswith(fresh_rows)], [r for r in rows if not r.key.startswith(fresh_rows)]]
     for phase in phases:
@@ -505,7 +505,8 @@ def print_summary(models: Dict[str, Dict[str, Any]]) -> None:
     """One line per model: the issue-16/17 figures (eager + patches against eager and against the faster vanilla
     compile, compiled + patches against vanilla compile, "other" GPU ms and launches, host ms fresh / after)."""
     head = [("model", 10), ("layers", 7), ("eager ms", 9), ("all", 8), ("best compile", 16), ("all/comp", 9),
-            ("graph/comp", 11), ("reg+tp", 8), ("full+tp", 8), ("other ms van/all/comp", 23), ("launches van/all/comp", 23),
+            ("graph/comp", 11), ("reg+tp", 8), ("full+tp", 8), ("other ms van/all/comp", 23),
+            ("launches van/all/comp", 23),
             ("host all/after", 16), ("err all", 9), ("err comp", 9)]
     print("\n" + "".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(head)))
     for name, entry in models.items():
@@ -599,8 +600,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {', '.join(SPECS)}")
     args.models = models
-    args.variants = [v for v in (args.variants or ("eager,each" if args.tiny else "eager,each,graph,regional,full,after"))
-                     .split(",") if v]
+    default = "eager,each" if args.tiny else "eager,each,graph,regional,full,after"
+    args.variants = [v for v in (args.variants or default).split(",") if v]
     args.layers = {k: v for k, v in _per_model(args.layers, {}, models).items() if v is not None}
     args.full_layers = _per_model(args.full_layers, {} if args.tiny else {"flux1": (2, 4)}, models)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
