@@ -214,8 +214,29 @@ def test_reset_and_unwatched_model(net: Net) -> None:
     assert w.info().captures == 2 and w.info().graphs == 1
 
 
+def test_global_token_follows_patches_tier_and_modes() -> None:
+    import diffusers.models.embeddings  # noqa: F401 - rope's target: the patch applies on its import
+    from torchpatches._graph_keys import global_token
+
+    base = global_token("cuda")
+    assert "rope" in base[0] and global_token("cuda") == base
+    with torchpatches.disabled("rope"):
+        assert "rope" not in global_token("cuda")[0]
+    with force_tier("torch"):
+        assert global_token("cuda") != base
+    with torch.no_grad():
+        assert global_token("cuda") != base
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        assert global_token("cuda") != base
+    finally:
+        handle.remove()
+    assert global_token("cuda") == base
+
+
 def test_patch_state_selects_its_own_graph() -> None:
     model, inputs = build_model("flux1-fused"), tiny_inputs("flux1-fused")
+    torchpatches.status()  # settles patches still pending on modules diffusers imported meanwhile (sd3_qk_norm)
     w = wrap(model)
     with force_tier("torch"), torch.inference_mode():
         w(**inputs)
