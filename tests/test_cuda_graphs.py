@@ -360,6 +360,76 @@ def test_attributes_pickling_and_lifetime() -> None:
     assert model_ref() is None and wrapper_ref() is None
 
 
+# ---- the CUDA backend's calls, against a stand-in torch.cuda ----------------------------------------------------
+
+
+class _CudaStandIn:
+    """Records what ``CudaBackend`` asks of ``torch.cuda``; ``fail`` makes the captured call raise."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import contextlib
+
+        self.log: list = []
+        self.fail = False
+        log = self.log
+
+        class Stream:
+            def wait_stream(self, other: Any) -> None:
+                log.append("wait")
+
+        class Graph:
+            def replay(self) -> None:
+                log.append("replay")
+
+        @contextlib.contextmanager
+        def recorded(what: str, *args: Any, **kwargs: Any) -> Any:
+            log.append(what)
+            yield
+            log.append(f"/{what}")
+
+        for name, value in dict(Stream=Stream, CUDAGraph=Graph, current_stream=Stream, current_device=lambda: 0,
+                                synchronize=lambda: log.append("sync"), graph_pool_handle=lambda: "pool",
+                                device=lambda d: recorded("device"), stream=lambda s: recorded("side"),
+                                graph=lambda g, pool: recorded(f"capture into {pool}")).items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_cuda_backend_warms_up_on_a_side_stream_then_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchpatches._graph_capture import CudaBackend
+
+    cuda, backend = _CudaStandIn(monkeypatch), CudaBackend()
+    calls = []
+    replay, out = backend.capture(lambda: calls.append(list(cuda.log)) or "out", torch.device("cuda", 0),
+                                  backend.pool(torch.device("cuda", 0)), 2)
+    assert out == "out" and len(calls) == 3
+    assert cuda.log == ["device", "/device", "device", "wait", "side", "/side", "wait", "capture into pool",
+                        "/capture into pool", "/device"]
+    replay()
+    assert cuda.log[-1] == "replay"
+
+    def fails() -> None:
+        if "capture into pool" in cuda.log and cuda.log[-1] == "capture into pool":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(CaptureFailed, match="not permitted") as info:
+        backend.capture(fails, torch.device("cuda", 0), "pool", 1)
+    assert isinstance(info.value.__cause__, RuntimeError) and cuda.log[-2:] == ["capture into pool", "sync"]
+
+
+def test_wrapper_through_the_cuda_backend(monkeypatch: pytest.MonkeyPatch, net: Net) -> None:
+    from torchpatches._graph_capture import CudaBackend
+
+    class OnCpu(CudaBackend):
+        device_type = "cpu"
+
+    cuda, x = _CudaStandIn(monkeypatch), torch.randn(2, 4)
+    w = Graphed(net, backend=OnCpu())
+    with torch.inference_mode():
+        assert torch.equal(w(x)[0], net(x)[0])    # the captured call's output (the stand-in replays nothing)
+        w(x)
+    assert cuda.log.count("capture into pool") == 1 and cuda.log.count("replay") == 2 and w.info()[:3] == (1, 2, 0)
+
+
 # ---- on a GPU ------------------------------------------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (TORCHPATCHES_TEST_DEVICE=cuda)")
