@@ -13,6 +13,8 @@ Production widths, random bf16 weights built on the GPU, batch 1, the inputs eac
   full/vanilla         ``torch.compile(fullgraph=True)`` of the whole model; where ``--full-layers`` names a
   full/all             subset (FLUX.1: 2 + 4 blocks, a 57-block full compile takes minutes) it runs on those
                        blocks (weights shared) and is compared with ``full/eager-vanilla`` on the same blocks
+  graph/vanilla        the eager step through ``torchpatches.cuda_graphs.graphed`` (one CUDA graph per patch state, both
+  graph/all            rows share one wrapper and its memory pool; first call = warm-up + capture); CPU: eager calls
   after/vanilla        the eager steps again after the compiles (issue 17: a process where torch.compile has
   after/all            run enqueues eager steps slower); ``--after-compile`` compiles a 3-op function first
                        instead, so that every eager row is in that state
@@ -29,6 +31,7 @@ cut short keeps what it measured; ``--summary`` prints the tables of such files 
 
     python benchmarks/dit.py --models wan --json wan.json                      # GPU
     python benchmarks/dit.py --models flux1 --variants eager,regional --layers flux1=19+38
+    python benchmarks/dit.py --models flux1 --variants eager,graph,regional --layers flux1=19+38
     python benchmarks/dit.py --tiny                                            # CPU smoke test, all models
     python benchmarks/dit.py --tiny --models sd3 --variants eager,each,regional,full,after
 """
@@ -56,7 +59,8 @@ import torch  # noqa: E402
 from _dit_models import SPECS, Spec, layers_of, tiny_config_name, with_layers  # noqa: E402
 
 GROUPS = {"eager": ("eager/vanilla", "eager/all"), "regional": ("regional/vanilla", "regional/all"),
-          "full": ("full/vanilla", "full/all"), "after": ("after/vanilla", "after/all")}
+          "full": ("full/vanilla", "full/all"), "after": ("after/vanilla", "after/all"),
+          "graph": ("graph/vanilla", "graph/all")}
 COMPILED = ("regional", "full")
 
 
@@ -315,6 +319,7 @@ def make_rows(name: str, model: torch.nn.Module, feed: Dict[str, Any], spec: Spe
     sub_lists = subset_lists(model, spec, sub) if sub else {}
     blocks = regions(model, spec)
     rows = []
+    graph_step: Optional[Callable[..., Any]] = None
     for key, variant in plan(wanted, running, bool(sub)):
         kind = key.split("/", 1)[0]
         ctx = functools.partial(_context, variant, sub_lists if kind == "full" else {}, model)
@@ -327,6 +332,12 @@ def make_rows(name: str, model: torch.nn.Module, feed: Dict[str, Any], spec: Spe
             compiled = torch.compile(fresh(_full_entry, f"{name}_{variant}"), fullgraph=True)
             rows.append(Row(key, variant, ctx, functools.partial(compiled, model, feed),
                             ref="full/eager-vanilla" if sub else "eager/vanilla"))
+        elif kind == "graph":  # one wrapper: each patch state finds its own graph, one memory pool
+            if graph_step is None:
+                from torchpatches.cuda_graphs import graphed
+
+                graph_step = functools.partial(graphed(model), **feed)
+            rows.append(Row(key, variant, ctx, graph_step))
         else:
             rows.append(Row(key, variant, ctx, step))
     return rows
@@ -343,9 +354,10 @@ def _guarded(name: str, row: Row, what: str, action: Callable[[], None]) -> None
 
 def run_phases(name: str, rows: List[Row], args: argparse.Namespace, device: torch.device, steps: int,
                save: Callable[[], None]) -> None:
-    """Eager rows, then compiled rows with the eager "after" rows: first calls (compiles) first, so that the
-    rounds alternate steady states; then the profiles. Saved as it goes (a call cut short keeps the rest)."""
-    phases = [[r for r in rows if r.key.startswith("eager/")], [r for r in rows if not r.key.startswith("eager/")]]
+    """Eager and graph rows, then compiled rows with the eager "after" rows: first calls (compiles) first, so that
+    the rounds alternate steady states; then the profiles. Saved as it goes (a call cut short keeps the rest)."""
+    fresh_rows = ("eager/", "graph/")  # before any compile
+    phases = [[r for r in rows if r.key.startswith(fresh_rows)], [r for r in rows if not r.key.startswith(fresh_rows)]]
     for phase in phases:
         for row in phase:
             _guarded(name, row, "first call", functools.partial(row.first, device))
@@ -493,7 +505,8 @@ def print_summary(models: Dict[str, Dict[str, Any]]) -> None:
     """One line per model: the issue-16/17 figures (eager + patches against eager and against the faster vanilla
     compile, compiled + patches against vanilla compile, "other" GPU ms and launches, host ms fresh / after)."""
     head = [("model", 10), ("layers", 7), ("eager ms", 9), ("all", 8), ("best compile", 16), ("all/comp", 9),
-            ("reg+tp", 8), ("full+tp", 8), ("other ms van/all/comp", 23), ("launches van/all/comp", 23),
+            ("graph/comp", 11), ("reg+tp", 8), ("full+tp", 8), ("other ms van/all/comp", 23),
+            ("launches van/all/comp", 23),
             ("host all/after", 16), ("err all", 9), ("err comp", 9)]
     print("\n" + "".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(head)))
     for name, entry in models.items():
@@ -520,7 +533,8 @@ def print_summary(models: Dict[str, Dict[str, Any]]) -> None:
         cells = [name.ljust(10), "+".join(map(str, entry["layers"])).rjust(7),
                  _f(get("eager/vanilla", "median_ms"), ".1f", 9), _f(get("eager/all", "ratio_vs_eager_vanilla"),
                  ".3f", 8, "x"), (f"{ratios[best]:.3f}x {best.split('/')[0]}{subset}" if best else "-").rjust(16),
-                 _f(get("eager/all", "ratio_vs_vanilla_compile"), ".3f", 9, "x"), _f(twin("regional"), ".3f", 8, "x"),
+                 _f(get("eager/all", "ratio_vs_vanilla_compile"), ".3f", 9, "x"),
+                 _f(get("graph/all", "ratio_vs_vanilla_compile"), ".3f", 11, "x"), _f(twin("regional"), ".3f", 8, "x"),
                  _f(twin("full"), ".3f", 8, "x"), three("other", ".1f").rjust(23),
                  three("launches_per_step", ".0f").rjust(23),
                  f"{_f(get('eager/all', 'host_ms'), '.1f', 0)}/{_f(get('after/all', 'host_ms'), '.1f', 0)}".rjust(16),
@@ -566,8 +580,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="the harness's tiny configs on the CPU (PyTorch tiers)")
     parser.add_argument("--models", default=",".join(SPECS))
     parser.add_argument("--variants", default=None,
-                        help="groups eager,each,regional,full,after or row names (regional/all, -adaln); "
-                             "default eager,each,regional,full,after (--tiny: eager,each)")
+                        help="groups eager,each,graph,regional,full,after or row names (regional/all, -adaln); "
+                             "default eager,each,graph,regional,full,after (--tiny: eager,each)")
     parser.add_argument("--layers", default="", help="block counts: wan=4,flux1=19+38 (default: _dit_models.py)")
     parser.add_argument("--full-layers", default="",
                         help="blocks full compile runs on: flux1=2+4 (the default), NAME=all for the whole model")
@@ -586,8 +600,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {', '.join(SPECS)}")
     args.models = models
-    args.variants = [v for v in (args.variants or ("eager,each" if args.tiny else "eager,each,regional,full,after"))
-                     .split(",") if v]
+    default = "eager,each" if args.tiny else "eager,each,graph,regional,full,after"
+    args.variants = [v for v in (args.variants or default).split(",") if v]
     args.layers = {k: v for k, v in _per_model(args.layers, {}, models).items() if v is not None}
     args.full_layers = _per_model(args.full_layers, {} if args.tiny else {"flux1": (2, 4)}, models)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)

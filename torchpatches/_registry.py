@@ -110,6 +110,12 @@ class Registry:
                 elif entry.wanted or entry.off_reason != off_reason:
                     self._revert_entry(entry, off_reason)
 
+    def applied_names(self) -> Tuple[str, ...]:
+        """The patches with a target swapped in right now; cheap (no status report), for callers that key
+        work on what is bound (``cuda_graphs``: a graph records the code that ran when it was captured)."""
+        return tuple(name for name, entry in self._entries.items()
+                     if any(slot.state is PatchState.APPLIED for slot in entry.slots))
+
     def status(self) -> Status:
         with self._lock:
             self._catch_up()

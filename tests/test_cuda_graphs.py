@@ -1,0 +1,474 @@
+"""torchpatches.cuda_graphs: the opt-in CUDA-graph wrapper.
+
+On the CPU a fake capture backend (``Replaying``: captures by calling the model on the static inputs, replays by
+calling it again and writing the result into the static output) stands in for CUDA, so the wrapper's contract is
+tested without a GPU: signature keys, invalidation, LRU, refusals, eager fallbacks, pickling. With CUDA
+(``TORCHPATCHES_TEST_DEVICE=cuda`` or a visible GPU) the GPU cases capture real graphs of the tiny FLUX.1.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import warnings
+import weakref
+from typing import Any, Callable, Tuple
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import torchpatches
+from torchpatches._graph_capture import CaptureFailed
+from torchpatches._harness import build_model, tiny_inputs
+from torchpatches.cuda_graphs import Graphed, graphed
+from torchpatches.ops._tiers import force_tier
+
+CUDA = os.environ.get("TORCHPATCHES_TEST_DEVICE") == "cuda" or torch.cuda.is_available()
+
+
+class Replaying:
+    """A capture backend for CPU tensors: 'replay' reruns the model on the static inputs into the static output."""
+
+    device_type = "cpu"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.warmups = fail, 0
+
+    def pool(self, device: torch.device) -> Any:
+        return ("pool", device)
+
+    def capture(self, run: Callable[[], Any], device: torch.device, pool: Any, warmup: int
+                ) -> Tuple[Callable[[], None], Any]:
+        for _ in range(warmup):
+            run()
+            self.warmups += 1
+        if self.fail:
+            raise CaptureFailed("RuntimeError: operation not permitted when stream is capturing")
+        output = run()
+        statics = pytree.tree_leaves(output)
+
+        def replay() -> None:
+            for static, new in zip(statics, pytree.tree_leaves(run())):
+                if isinstance(static, torch.Tensor):
+                    static.copy_(new)
+
+        return replay, output
+
+
+class Net(torch.nn.Module):
+    """A small model with the attributes the wrapper watches: a processor, a peft-like adapter state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.processor = "plain"
+        self.scaling = {"default": 1.0}
+        self._active_adapter = "default"
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0, return_dict: bool = False, extra: Any = None) -> Any:
+        out = self.proj(x) * scale * self.scaling[self._active_adapter]
+        if self.processor != "plain":
+            out = out + 1
+        return {"sample": out} if return_dict else (out,)
+
+
+def wrap(model: Any, **options: Any) -> Graphed:
+    return Graphed(model, backend=Replaying(), **options)
+
+
+@pytest.fixture
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net().eval().requires_grad_(False)
+
+
+# ---- signatures ---------------------------------------------------------------------------------------------
+
+
+def test_one_graph_per_signature(net: Net) -> None:
+    w, x = wrap(net), torch.randn(2, 4)
+    with torch.inference_mode():
+        for _ in range(3):
+            w(x)
+        assert w.info()[:3] == (1, 3, 0)
+        w(torch.randn(3, 4))                       # shape
+        w(torch.randn(4, 2).t())                   # strides
+        w(x, scale=0.5)                            # a float by value
+        w(x, scale=1)                              # 1 is not 1.0
+        w(x, return_dict=True)                     # a bool by value
+        w(x, extra={"scale": 1.0})                 # dict contents
+        w(x, extra={"scale": 2.0})
+        assert w.info().captures == 8
+        w(x, scale=0.5), w(x, extra={"scale": 2.0}), w(torch.randn(3, 4))
+        assert w.info().captures == 8
+
+
+def test_float_keys_are_bitwise(net: Net) -> None:
+    w, x = wrap(net), torch.randn(2, 4)
+    with torch.inference_mode():
+        w(x, extra=float("nan")), w(x, extra=float("nan"))
+        assert w.info().captures == 1               # nan finds itself
+        w(x, extra=-0.0), w(x, extra=0.0)
+        assert w.info().captures == 3
+
+
+def test_outputs_equal_eager_and_follow_inputs(net: Net) -> None:
+    w, x = wrap(net), torch.randn(2, 4)
+    with torch.inference_mode():
+        first = w(x)[0]
+        assert torch.equal(first, net(x)[0])
+        x.mul_(3)                                  # the same tensor, mutated: the replay reads the new values
+        assert torch.equal(w(x)[0], net(x)[0])
+        assert torch.equal(w(torch.ones(2, 4))[0], net(torch.ones(2, 4))[0])
+        assert not torch.equal(first, w(x)[0])     # clone=True: an earlier result is not overwritten
+        out = w(x, return_dict=True)
+        assert set(out) == {"sample"} and torch.equal(out["sample"], net(x)[0])
+
+
+def test_clone_false_returns_the_static_output(net: Net) -> None:
+    w = wrap(net, clone=False)
+    with torch.inference_mode():
+        a = w(torch.zeros(2, 4))[0]
+        b = w(torch.ones(2, 4))[0]
+        assert a is b and torch.equal(a, net(torch.ones(2, 4))[0])   # overwritten by the next call
+        c = wrap(net)(torch.zeros(2, 4))[0]
+        assert c is not wrap(net)(torch.zeros(2, 4))[0]
+
+
+def test_lru_cap(net: Net) -> None:
+    w = wrap(net, max_graphs=2)
+    with torch.inference_mode():
+        for n in (1, 2, 3):
+            w(torch.randn(n, 4))
+        assert w.info().graphs == 2 and w.info().captures == 3
+        w(torch.randn(3, 4))                       # kept
+        assert w.info().captures == 3
+        w(torch.randn(1, 4))                       # dropped first: captured again
+        assert w.info().captures == 4
+
+
+# ---- invalidation -------------------------------------------------------------------------------------------
+
+
+def _captures_after(w: Graphed, x: torch.Tensor, change: Callable[[], Any]) -> int:
+    with torch.inference_mode():
+        w(x)
+        before = w.info().captures
+        change()
+        out = w(x)[0]
+        assert torch.equal(out, w.model(x)[0])
+        w(x)
+        return w.info().captures - before
+
+
+@pytest.mark.parametrize("change", [
+    "param_replaced", "data_assigned", "submodule_replaced", "forward_hook", "pre_hook", "training",
+    "instance_forward", "processor", "adapter_scale", "adapter_switch",
+])
+def test_model_changes_recapture(net: Net, change: str) -> None:
+    w, x = wrap(net), torch.randn(2, 4)
+    changes = {
+        "param_replaced": lambda: setattr(net.proj, "weight", torch.nn.Parameter(torch.ones(4, 4), False)),
+        "data_assigned": lambda: setattr(net.proj.weight, "data", torch.full((4, 4), 2.0)),
+        "submodule_replaced": lambda: setattr(net, "proj", torch.nn.Linear(4, 4).requires_grad_(False)),
+        "forward_hook": lambda: net.proj.register_forward_hook(lambda m, i, o: o * 2),
+        "pre_hook": lambda: net.proj.register_forward_pre_hook(lambda m, i: None),
+        "training": lambda: net.train(),
+        "instance_forward": lambda: setattr(net.proj, "forward", lambda t: t),
+        "processor": lambda: setattr(net, "processor", "other"),
+        "adapter_scale": lambda: net.scaling.__setitem__("default", 0.5),
+        "adapter_switch": lambda: (net.scaling.__setitem__("b", 3.0), setattr(net, "_active_adapter", "b")),
+    }
+    assert _captures_after(w, x, changes[change]) == 1
+
+
+def test_to_recaptures(net: Net) -> None:
+    w, x = wrap(net), torch.randn(2, 4)
+    with torch.inference_mode():
+        w(x)
+        net.double()
+        assert torch.equal(w(x.double())[0], net(x.double())[0])
+        net.float()                                 # the float32 graph read the old storage: captured again
+        assert torch.equal(w(x)[0], net(x)[0]) and w.info().captures == 3
+
+
+def test_in_place_weight_change_needs_no_capture(net: Net) -> None:
+    w, x = wrap(net), torch.randn(2, 4)
+    assert _captures_after(w, x, lambda: net.proj.weight.mul_(2)) == 0
+
+
+def test_hook_removed_recaptures(net: Net) -> None:
+    w, x = wrap(net), torch.randn(2, 4)
+    handle = net.proj.register_forward_hook(lambda m, i, o: o * 2)
+    assert _captures_after(w, x, handle.remove) == 1
+
+
+def test_reset_and_unwatched_model(net: Net) -> None:
+    w, x = wrap(net, watch_model=False), torch.randn(2, 4)
+    assert _captures_after(w, x, lambda: net.scaling.__setitem__("default", 0.5)) == 0   # not watched
+    with torch.inference_mode():
+        w.reset()
+        assert w.info().graphs == 0
+        w(x)
+    assert w.info().captures == 2 and w.info().graphs == 1
+
+
+def test_global_token_follows_patches_tier_and_modes() -> None:
+    import diffusers.models.embeddings  # noqa: F401 - rope's target: the patch applies on its import
+    from torchpatches._graph_keys import global_token
+
+    base = global_token("cuda")
+    assert "rope" in base[0] and global_token("cuda") == base
+    with torchpatches.disabled("rope"):
+        assert "rope" not in global_token("cuda")[0]
+    with force_tier("torch"):
+        assert global_token("cuda") != base
+    with torch.no_grad():
+        assert global_token("cuda") != base
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        assert global_token("cuda") != base
+    finally:
+        handle.remove()
+    assert global_token("cuda") == base
+
+
+def test_patch_state_selects_its_own_graph() -> None:
+    model, inputs = build_model("flux1-fused"), tiny_inputs("flux1-fused")
+    torchpatches.status()  # settles patches still pending on modules diffusers imported meanwhile (sd3_qk_norm)
+    w = wrap(model)
+    with force_tier("torch"), torch.inference_mode():
+        w(**inputs)
+        with torchpatches.disabled("adaln"):
+            assert torch.equal(w(**inputs)[0], model(**inputs)[0])
+        assert torch.equal(w(**inputs)[0], model(**inputs)[0])
+        assert w.info().captures == 2               # back on: the first graph again
+        with torchpatches.disabled():
+            w(**inputs)
+        w(**inputs)
+    assert w.info().captures == 3
+
+
+def test_peft_adapters_recapture() -> None:
+    peft = pytest.importorskip("peft")
+    model, inputs = build_model("flux1-fused"), tiny_inputs("flux1-fused")
+    w = wrap(model)
+
+    def captures_now(**extra: Any) -> int:
+        with force_tier("torch"), torch.no_grad():
+            assert torch.equal(w(**inputs, **extra)[0], model(**inputs, **extra)[0])
+        return w.info().captures
+
+    assert captures_now() == 1
+    for name in ("a", "b"):
+        model.add_adapter(peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k"], init_lora_weights=False),
+                          adapter_name=name)                                    # modules injected
+        assert captures_now() == 2 + (name == "b")
+    model.set_adapters(["a", "b"], [0.5, 1.0])                                  # active adapters and scaling
+    assert captures_now() == 4
+    model.set_adapters(["a", "b"], [0.7, 1.0])                                  # scaling alone
+    assert captures_now() == 5 and captures_now() == 5
+    assert captures_now(joint_attention_kwargs={"scale": 0.5}) == 6            # a scale argument: its own key
+    model.disable_adapters()
+    assert captures_now() == 7
+
+
+# ---- what runs eagerly, what is refused ---------------------------------------------------------------------
+
+
+def test_cpu_inputs_run_eagerly_bit_for_bit() -> None:
+    model, inputs = build_model("flux1-fused"), tiny_inputs("flux1-fused")
+    w = graphed(model)                              # the CUDA backend: CPU tensors are its eager case
+    with torch.inference_mode():
+        assert torch.equal(w(**inputs)[0], model(**inputs)[0])
+    assert w.info()[:3] == (0, 0, 1)
+
+
+def test_eager_cases(net: Net) -> None:
+    w, x = wrap(lambda *args, **kwargs: None), torch.randn(2, 4)
+    with torch.inference_mode():
+        w(3.0)                                      # no tensor
+        w(torch.randn(2, 4, device="meta"))         # not the backend's device type
+        w(x, extra=torch.randn(1, device="meta"))   # two devices
+        w(torch.randn(2, 4).to_sparse())            # not strided
+    assert w.info()[:3] == (0, 0, 4)
+
+
+def test_grad_runs_eagerly_warned_once(net: Net) -> None:
+    w, x = wrap(net), torch.randn(2, 4, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="autograd would record"):
+        out = w(x)[0]
+    assert out.grad_fn is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w(x)
+        net.proj.weight.requires_grad_(True)
+        assert w(x.detach())[0].grad_fn is not None
+    net.requires_grad_(False)
+    w(x.detach())                                   # grad mode, nothing requires grad: a graph
+    assert w.info()[:3] == (1, 1, 3)
+
+
+def test_failed_capture_warns_once_then_eager(net: Net) -> None:
+    w, x = Graphed(net, backend=Replaying(fail=True)), torch.randn(2, 4)
+    with torch.inference_mode():
+        with pytest.warns(RuntimeWarning, match="could not be captured"):
+            assert torch.equal(w(x)[0], net(x)[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(w(x)[0], net(x)[0])
+    assert w.info()[:3] == (0, 0, 2) and w._backend.warmups == 2
+
+
+def test_refusals(net: Net) -> None:
+    w = wrap(net)
+    with pytest.raises(ValueError, match=r"kwargs\['extra'\]\['gen'\] is a torch._C.Generator"):
+        w(torch.randn(2, 4), extra={"gen": torch.Generator()})
+    for bad in (dict(max_graphs=0), dict(max_graphs=True), dict(warmup=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            graphed(net, **bad)
+    with pytest.raises(ValueError, match="already a graphed"):
+        graphed(graphed(net))
+    with pytest.raises(ValueError, match="callable"):
+        graphed(3)
+
+
+def test_compiled_wrapper_calls_the_model(net: Net) -> None:
+    w, x = wrap(net), torch.randn(2, 4)
+    with torch.inference_mode():
+        out = torch.compile(w, backend="eager", fullgraph=True)(x)[0]
+    assert torch.equal(out, net(x)[0]) and w.info()[:3] == (0, 0, 0)
+
+
+# ---- a stand-in for the model; pickling and lifetime -------------------------------------------------------
+
+
+def test_attributes_pickling_and_lifetime() -> None:
+    net = Net().eval().requires_grad_(False)
+    w, x = wrap(net), torch.randn(2, 4)
+    assert w.processor == "plain" and w.model is net
+    with torch.inference_mode():
+        w(x)
+    again = pickle.loads(pickle.dumps(w))
+    assert again.info().graphs == 0 and again._clone and isinstance(again.model, Net)
+    with torch.inference_mode():
+        assert torch.equal(again(x)[0], net(x)[0])
+    model_ref, wrapper_ref = weakref.ref(net), weakref.ref(w)
+    del w, again, net
+    gc.collect()
+    assert model_ref() is None and wrapper_ref() is None
+
+
+# ---- the CUDA backend's calls, against a stand-in torch.cuda ----------------------------------------------------
+
+
+class _CudaStandIn:
+    """Records what ``CudaBackend`` asks of ``torch.cuda``; ``fail`` makes the captured call raise."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import contextlib
+
+        self.log: list = []
+        self.fail = False
+        log = self.log
+
+        class Stream:
+            def wait_stream(self, other: Any) -> None:
+                log.append("wait")
+
+        class Graph:
+            def replay(self) -> None:
+                log.append("replay")
+
+        @contextlib.contextmanager
+        def recorded(what: str, *args: Any, **kwargs: Any) -> Any:
+            log.append(what)
+            yield
+            log.append(f"/{what}")
+
+        for name, value in dict(Stream=Stream, CUDAGraph=Graph, current_stream=Stream, current_device=lambda: 0,
+                                synchronize=lambda: log.append("sync"), graph_pool_handle=lambda: "pool",
+                                device=lambda d: recorded("device"), stream=lambda s: recorded("side"),
+                                graph=lambda g, pool: recorded(f"capture into {pool}")).items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_cuda_backend_warms_up_on_a_side_stream_then_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchpatches._graph_capture import CudaBackend
+
+    cuda, backend = _CudaStandIn(monkeypatch), CudaBackend()
+    calls = []
+    replay, out = backend.capture(lambda: calls.append(list(cuda.log)) or "out", torch.device("cuda", 0),
+                                  backend.pool(torch.device("cuda", 0)), 2)
+    assert out == "out" and len(calls) == 3
+    assert cuda.log == ["device", "/device", "device", "wait", "side", "/side", "wait", "capture into pool",
+                        "/capture into pool", "/device"]
+    replay()
+    assert cuda.log[-1] == "replay"
+
+    def fails() -> None:
+        if "capture into pool" in cuda.log and cuda.log[-1] == "capture into pool":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(CaptureFailed, match="not permitted") as info:
+        backend.capture(fails, torch.device("cuda", 0), "pool", 1)
+    assert isinstance(info.value.__cause__, RuntimeError) and cuda.log[-2:] == ["capture into pool", "sync"]
+
+
+def test_wrapper_through_the_cuda_backend(monkeypatch: pytest.MonkeyPatch, net: Net) -> None:
+    from torchpatches._graph_capture import CudaBackend
+
+    class OnCpu(CudaBackend):
+        device_type = "cpu"
+
+    cuda, x = _CudaStandIn(monkeypatch), torch.randn(2, 4)
+    w = Graphed(net, backend=OnCpu())
+    with torch.inference_mode():
+        assert torch.equal(w(x)[0], net(x)[0])    # the captured call's output (the stand-in replays nothing)
+        w(x)
+    assert cuda.log.count("capture into pool") == 1 and cuda.log.count("replay") == 2 and w.info()[:3] == (1, 2, 0)
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (TORCHPATCHES_TEST_DEVICE=cuda)")
+
+
+@gpu
+def test_gpu_flux_graphed_equals_eager() -> None:
+    model = build_model("flux1-fused", dtype=torch.bfloat16, device="cuda")
+    inputs = tiny_inputs("flux1-fused", dtype=torch.bfloat16, device="cuda")
+    w = graphed(model)
+    with torch.no_grad():  # not inference mode: the test adds a submodule and converts the model inside
+        want = model(**inputs)[0]
+        assert torch.equal(w(**inputs)[0], want) and torch.equal(w(**inputs)[0], want)
+        assert w.info()[:3] == (1, 2, 0)
+        inputs["hidden_states"].mul_(0.5)          # replay after input mutation sees the new values
+        assert torch.equal(w(**inputs)[0], model(**inputs)[0])
+        wider = tiny_inputs("flux1-fused", dtype=torch.bfloat16, device="cuda", side=6)
+        assert torch.equal(w(**wider)[0], model(**wider)[0]) and w.info().captures == 2
+        handle = model.transformer_blocks[0].register_forward_hook(lambda m, i, o: o)
+        assert torch.equal(w(**inputs)[0], model(**inputs)[0]) and w.info().captures == 3
+        handle.remove()
+        weight = model.proj_out.weight
+        weight.data = weight.data.clone()          # the old storage may be freed: must recapture
+        assert torch.equal(w(**inputs)[0], model(**inputs)[0]) and w.info().captures == 4
+        model.scale_probe = torch.nn.Linear(2, 2)  # a submodule added
+        assert torch.equal(w(**inputs)[0], model(**inputs)[0]) and w.info().captures == 5
+        model.float().to(torch.bfloat16)           # the same dtype again, in new storage
+        assert torch.equal(w(**inputs)[0], model(**inputs)[0]) and w.info().captures == 6
+        assert w.info().replays == 8 and w.info().eager_calls == 0
+
+
+@gpu
+def test_gpu_host_sync_falls_back() -> None:
+    class Syncs(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * float(x.sum().item())
+
+    w, x = graphed(Syncs()), torch.ones(4, device="cuda")
+    with torch.inference_mode(), pytest.warns(RuntimeWarning, match="could not be captured"):
+        assert torch.equal(w(x), x * 4)
+    with torch.inference_mode():
+        assert torch.equal(w(x * 2), x * 16) and w.info()[:3] == (0, 0, 2)
