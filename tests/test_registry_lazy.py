@@ -156,3 +156,35 @@ def test_compile_warnings_table_waits_for_diffusers() -> None:
     before, after = result.stdout.strip().splitlines()
     assert before == "False|pending|waits for diffusers to be imported|0"
     assert after == "True|pending|71"
+
+
+def test_a_target_loaded_while_a_module_it_verifies_is_half_run_applies_when_that_module_finishes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers' ``normalization`` imports ``attention_processor`` before it defines ``RMSNorm``: sd3_qk_norm's
+    target loads while the code the patch verifies does not exist yet. The patch applies when the verified
+    module's body has run (before: it stayed pending until the next ``status()``, and ``applied_names`` missed it)."""
+    name = f"tp_verify_{uuid.uuid4().hex[:8]}"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / name / "target.py").write_text(GREET)
+    verified = f"from {name} import target  # noqa: F401\n\n\ndef helper():\n    return 1\n"
+    (tmp_path / name / "verified.py").write_text(verified)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    modules = (f"{name}.verified", f"{name}.target", name)
+    greet_fp = _gates.fingerprint(importlib.import_module(f"{name}.target").greet)
+    helper_fp = _gates.fingerprint(importlib.import_module(f"{name}.verified").helper)
+    for module in modules:
+        sys.modules.pop(module)
+    patch = Patch(name="loud", summary="shout", targets=(Target(f"{name}.target:greet", _loud, frozenset({greet_fp})),),
+                  verifies={f"{name}.verified:helper": frozenset({helper_fp})})
+    registry = Registry([patch])
+    registry.apply()
+    try:
+        importlib.import_module(f"{name}.verified")  # runs target's body first, then defines helper
+        assert registry.applied_names() == ("loud",)
+        assert sys.modules[f"{name}.target"].greet("ada") == "HELLO ADA"
+    finally:
+        registry.revert()
+        for module in modules:
+            sys.modules.pop(module, None)

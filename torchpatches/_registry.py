@@ -10,7 +10,7 @@ import logging
 import sys
 import threading
 import weakref
-from typing import Any, Dict, Iterable, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from ._declare import Patch
 from ._import_hooks import is_imported, missing_submodule, not_installed_reason, on_every_load
@@ -188,6 +188,7 @@ class Registry:
         """
         me = weakref.ref(self)
         modules = [slot.target.module for slot in entry.slots] + [entry.table_waits_for or ""]
+        modules += _verified_modules(entry.patch)  # a target may load while a module it verifies is half-run
         for name in filter(None, modules):
             if name not in self._watched:
                 self._watched.add(name)
@@ -197,7 +198,8 @@ class Registry:
         """Right after the body of ``module_name`` ran (it is still marked as initializing then)."""
         with self._lock:
             for entry in self._entries.values():
-                concerned = entry.table_waits_for == module_name or any(
+                verified = module_name in _verified_modules(entry.patch)
+                concerned = verified or entry.table_waits_for == module_name or any(
                     slot.target.module == module_name for slot in entry.slots)
                 if not entry.wanted or not concerned or self._still_early_gated(entry):
                     continue
@@ -205,7 +207,8 @@ class Registry:
                 for slot in entry.slots:
                     if slot.target.module == module_name:
                         self._converge(entry, slot, module)
-                    elif built:
+                    elif built or (verified and slot.state is PatchState.PENDING
+                                   and is_imported(slot.target.module)):
                         self._converge(entry, slot)
 
     def _still_early_gated(self, entry: _Entry) -> bool:
@@ -379,3 +382,9 @@ def _call_if_alive(registry_ref: "weakref.ReferenceType[Registry]", module_name:
     registry = registry_ref()
     if registry is not None:
         registry._on_module_load(module_name, module)
+
+
+
+def _verified_modules(patch: Patch) -> List[str]:
+    """The modules of the code a patch ``verifies`` (``module:qualname`` paths)."""
+    return [path.partition(":")[0] for path in patch.verifies]
