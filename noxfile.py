@@ -182,6 +182,11 @@ def peft_accelerate(session: nox.Session) -> None:
                 "print(f'peft {peft.__version__}, accelerate {accelerate.__version__}, torch {torch.__version__}')")
     _pytest(session, "tests/patches/test_fused_patches.py", "-k", "lora or accelerate", "-rs")
     _pytest(session, "tests/patches/test_lora.py", "-rs")  # the lora pattern (peft's LoRA layers)
+    # Every model's LoRA step-aside case, the adapter invalidations of the remembered verdicts and the CUDA graphs
+    # (they skip where peft is absent, as in the tests-<torch> sessions).
+    _pytest(session, "tests/patches/test_fused_sd3.py", "tests/patches/test_fused_wan.py",
+            "tests/patches/test_fused_qwenimage.py", "tests/patches/test_fused_verdicts.py", "tests/test_cuda_graphs.py",
+            "-k", "lora or peft", "-rs")
 
 
 @nox.session(python=False)
