@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 import torch
 
 from .._compat import is_compiling
+from .._declare import Target
 from .._slot import MARK_ORIGINAL, MARK_PATCH
 from ..ops._tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
@@ -111,6 +112,16 @@ def steps_aside() -> bool:
         return True
     m = torch.nn.modules.module
     return eager_transforms() or bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+
+
+#: What every fused pattern is gated on: the diffusers release its fingerprints were taken on, and torch.
+FUSED_REQUIRES = {"diffusers": ">=0.42,<0.43", "torch": ">=2.4"}
+
+
+def fused_target(pattern: str, path: str, body: Callable[..., Any], fingerprint: str,
+                 assumes: Iterable[str] = ()) -> Target:
+    """The target ``path`` replaced by ``fused(pattern, body, assumes)``, verified by one fingerprint."""
+    return Target(path, make_replacement=fused(pattern, body, tuple(assumes)), fingerprints=frozenset({fingerprint}))
 
 
 def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -> Callable[[Any], Any]:

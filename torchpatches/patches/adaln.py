@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch, Target
-from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, plain_layer_norm
+from .._declare import Patch
+from ._fused_common import FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, plain_layer_norm
 from ._modulate_calls import modulated
 
 __all__ = ["PATCH"]
@@ -81,18 +81,13 @@ def _continuous(self, x, conditioning_embedding):
     return modulated(self.norm, x, scale, shift, fuse=True)
 
 
+#: (class, body, fingerprint of its forward in diffusers 0.42.1)
+ADALN = (("AdaLayerNormZero", _zero, "099c201ecf64710b"), ("AdaLayerNormZeroSingle", _zero_single, "6e0c5aa5daa844ce"),
+         ("AdaLayerNormContinuous", _continuous, "9cc655ba4fb2bfec"))
+
 PATCH = Patch(
-    name="adaln",
-    summary="diffusers adaLN (LayerNorm + modulate) as one kernel in eager mode",
-    targets=(
-        Target(f"{_NORMALIZATION}:AdaLayerNormZero.forward", make_replacement=fused("adaln", _zero, LAYER_NORM),
-               fingerprints=frozenset({"099c201ecf64710b"})),  # diffusers 0.42.1
-        Target(f"{_NORMALIZATION}:AdaLayerNormZeroSingle.forward",
-               make_replacement=fused("adaln", _zero_single, LAYER_NORM),
-               fingerprints=frozenset({"6e0c5aa5daa844ce"})),  # diffusers 0.42.1
-        Target(f"{_NORMALIZATION}:AdaLayerNormContinuous.forward",
-               make_replacement=fused("adaln", _continuous, LAYER_NORM),
-               fingerprints=frozenset({"9cc655ba4fb2bfec"})),  # diffusers 0.42.1
-    ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+    name="adaln", summary="diffusers adaLN (LayerNorm + modulate) as one kernel in eager mode",
+    targets=tuple(fused_target("adaln", f"{_NORMALIZATION}:{name}.forward", body, fingerprint, LAYER_NORM)
+                  for name, body, fingerprint in ADALN),
+    requires=FUSED_REQUIRES,
 )

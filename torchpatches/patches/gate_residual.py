@@ -50,7 +50,8 @@ from typing import Any
 import torch
 
 from .._declare import Patch, Target
-from ._fused_common import CAT, FALLBACK, GELU, LAYER_NORM, fusable, fused, pattern_on, stock
+from ._fused_common import (CAT, FALLBACK, FUSED_REQUIRES, GELU, LAYER_NORM, fusable, fused_target, pattern_on,
+                            stock)
 from ._modulate_calls import modulated, residual, residual_modulated
 
 __all__ = ["PATCH", "joined"]
@@ -204,8 +205,7 @@ def _flux2_single(self, hidden_states, encoder_hidden_states, temb_mod, image_ro
 
 
 def _target(qualname: str, body: Any, fingerprint: str, assumes: tuple = _ASSUMES) -> Target:
-    return Target(qualname, make_replacement=fused("gate_residual", body, assumes),
-                  fingerprints=frozenset({fingerprint}))
+    return fused_target("gate_residual", qualname, body, fingerprint, assumes)
 
 
 PATCH = Patch(
@@ -217,5 +217,5 @@ PATCH = Patch(
         _target(f"{_FLUX2}:Flux2TransformerBlock.forward", _flux2_double, "47bed5da14990da5"),
         _target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", _flux2_single, "12422e38cc8c135b"),
     ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+    requires=FUSED_REQUIRES,
 )

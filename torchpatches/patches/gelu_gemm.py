@@ -31,12 +31,11 @@ When to delete
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import torch
 
-from .._declare import Patch, Target
-from ._fused_common import FALLBACK, GELU, fusable, fused, stock
+from .._declare import Patch
+from ._fused_common import FALLBACK, FUSED_REQUIRES, GELU, fusable, fused_target, stock
 from ._lora_calls import lora_gelu
 
 __all__ = ["PATCH"]
@@ -66,11 +65,8 @@ def _gelu_gemm(self, hidden_states):
 
 
 PATCH = Patch(
-    name="gelu_gemm",
-    summary="diffusers GELU(tanh) projection with the GELU in the cuBLASLt epilogue (eager, CUDA)",
-    targets=(
-        Target(f"{_ACTIVATIONS}:GELU.forward", make_replacement=fused("gelu_gemm", _gelu_gemm, GELU + (f"{_ACTIVATIONS}:GELU.gelu",)),
-               fingerprints=frozenset({"d6728e812cd51ebb"})),  # diffusers 0.42.1
-    ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+    name="gelu_gemm", summary="diffusers GELU(tanh) projection with the GELU in the cuBLASLt epilogue (eager, CUDA)",
+    targets=(fused_target("gelu_gemm", f"{_ACTIVATIONS}:GELU.forward", _gelu_gemm, "d6728e812cd51ebb",
+                          GELU + (f"{_ACTIVATIONS}:GELU.gelu",)),),
+    requires=FUSED_REQUIRES,  # the fingerprint: diffusers 0.42.1
 )

@@ -40,9 +40,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._declare import Patch, Target
-from ._fused_common import (CAT, FALLBACK, RMS_NORM, SILU, fusable, fused, pattern_on, plain_rms_norm,
-                            remembered, stock)
+from .._declare import Patch
+from ._fused_common import (CAT, FALLBACK, FUSED_REQUIRES, RMS_NORM, SILU, fusable, fused_target, pattern_on,
+                            plain_rms_norm, remembered, stock)
 
 __all__ = ["PATCH"]
 
@@ -248,16 +248,13 @@ def _flux2_parallel(self, attn, hidden_states, attention_mask=None, image_rotary
 PATCH = Patch(
     name="qk_norm_rope",
     summary="FLUX attention processors: q/k RMSNorm + RoPE + text/image concat in one kernel (eager)",
-    targets=(
-        Target(f"{_FLUX}:FluxAttnProcessor.__call__",
-               make_replacement=fused("qk_norm_rope", _processor(_FLUX, _flux_out), _ASSUMES),
-               fingerprints=frozenset({"6af7ff9528985bcc"})),  # diffusers 0.42.1
-        Target(f"{_FLUX2}:Flux2AttnProcessor.__call__",
-               make_replacement=fused("qk_norm_rope", _processor(_FLUX2, _flux2_out), _ASSUMES),
-               fingerprints=frozenset({"e3f195d59c330a7b"})),  # diffusers 0.42.1
-        Target(f"{_FLUX2}:Flux2ParallelSelfAttnProcessor.__call__",
-               make_replacement=fused("qk_norm_rope", _flux2_parallel, _ASSUMES + SILU),
-               fingerprints=frozenset({"31019376b6209552"})),  # diffusers 0.42.1
+    targets=(  # fingerprints: diffusers 0.42.1
+        fused_target("qk_norm_rope", f"{_FLUX}:FluxAttnProcessor.__call__", _processor(_FLUX, _flux_out),
+                     "6af7ff9528985bcc", _ASSUMES),
+        fused_target("qk_norm_rope", f"{_FLUX2}:Flux2AttnProcessor.__call__", _processor(_FLUX2, _flux2_out),
+                     "e3f195d59c330a7b", _ASSUMES),
+        fused_target("qk_norm_rope", f"{_FLUX2}:Flux2ParallelSelfAttnProcessor.__call__", _flux2_parallel,
+                     "31019376b6209552", _ASSUMES + SILU),
     ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+    requires=FUSED_REQUIRES,
 )

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch, Target
-from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, plain_layer_norm, remembered
+from .._declare import Patch
+from ._fused_common import (FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, plain_layer_norm,
+                            remembered)
 from ._modulate_calls import modulated, residual, residual_modulated
 
 __all__ = ["PATCH"]
@@ -102,10 +103,6 @@ def _block(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mas
 PATCH = Patch(
     name="qwenimage_block",
     summary="QwenImage blocks: LayerNorm + modulate, gate + residual (+ the next LayerNorm + modulate) fused (eager)",
-    targets=(
-        Target(f"{_QWEN}:QwenImageTransformerBlock.forward",
-               make_replacement=fused("qwenimage_block", _block, LAYER_NORM),
-               fingerprints=frozenset({"c14d21c1ab218e72"})),  # diffusers 0.42.0, 0.42.1
-    ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
-)
+    targets=(fused_target("qwenimage_block", f"{_QWEN}:QwenImageTransformerBlock.forward", _block, "c14d21c1ab218e72",
+                          LAYER_NORM),),  # the fingerprint: diffusers 0.42.0, 0.42.1
+    requires=FUSED_REQUIRES)

@@ -46,8 +46,9 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch, Target
-from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, pattern_on, plain_layer_norm, stock
+from .._declare import Patch
+from ._fused_common import (FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, pattern_on,
+                            plain_layer_norm, stock)
 from ._modulate_calls import modulated, residual, residual_modulated
 
 __all__ = ["PATCH"]
@@ -122,13 +123,8 @@ def _joint_block(self, hidden_states, encoder_hidden_states, temb, joint_attenti
 
 
 PATCH = Patch(
-    name="sd3_block",
-    summary="SD3 blocks: gate + residual (+ next LayerNorm/modulate) in one kernel (eager)",
-    targets=(
-        Target(f"{_ATTENTION}:JointTransformerBlock.forward",
-               make_replacement=fused("sd3_block", _joint_block, LAYER_NORM + (_NORM_X,)),
-               fingerprints=frozenset({"e64d8fc0e57ee1fa"})),  # diffusers 0.42.1
-    ),
-    verifies={_NORM_X: frozenset({"0d6e640065ac6bf5"})},  # diffusers 0.42.1: rewritten by _norm1_dual
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
-)
+    name="sd3_block", summary="SD3 blocks: gate + residual (+ next LayerNorm/modulate) in one kernel (eager)",
+    targets=(fused_target("sd3_block", f"{_ATTENTION}:JointTransformerBlock.forward", _joint_block, "e64d8fc0e57ee1fa",
+                          LAYER_NORM + (_NORM_X,)),),  # the fingerprints: diffusers 0.42.1
+    verifies={_NORM_X: frozenset({"0d6e640065ac6bf5"})},  # rewritten by _norm1_dual
+    requires=FUSED_REQUIRES)

@@ -41,8 +41,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .._declare import Patch, Target
-from ._fused_common import CAT, FALLBACK, fusable, fused, stock
+from .._declare import Patch
+from ._fused_common import CAT, FALLBACK, FUSED_REQUIRES, fusable, fused_target, stock
 
 __all__ = ["PATCH"]
 
@@ -168,13 +168,8 @@ def _joint_attn(self, attn, hidden_states, encoder_hidden_states=None, attention
 
 
 PATCH = Patch(
-    name="sd3_qk_norm",
-    summary="SD3 joint attention: q/k RMSNorm + image/text concat in one kernel (eager)",
-    targets=(
-        Target(f"{_PROCESSOR}:JointAttnProcessor2_0.__call__",
-               make_replacement=fused("sd3_qk_norm", _joint_attn, _ASSUMES),
-               fingerprints=frozenset({"131735ccb11abb73"})),  # diffusers 0.42.1
-    ),
-    verifies={f"{_NORMALIZATION}:RMSNorm.forward": frozenset({"25f4c6d067d464a9"})},  # diffusers 0.42.1
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
-)
+    name="sd3_qk_norm", summary="SD3 joint attention: q/k RMSNorm + image/text concat in one kernel (eager)",
+    targets=(fused_target("sd3_qk_norm", f"{_PROCESSOR}:JointAttnProcessor2_0.__call__", _joint_attn,
+                          "131735ccb11abb73", _ASSUMES),),  # the fingerprints: diffusers 0.42.1
+    verifies={f"{_NORMALIZATION}:RMSNorm.forward": frozenset({"25f4c6d067d464a9"})},
+    requires=FUSED_REQUIRES)

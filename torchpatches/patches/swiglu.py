@@ -25,12 +25,10 @@ When to delete
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .._declare import Patch, Target
-from ._fused_common import FALLBACK, SILU, fusable, fused, stock
+from .._declare import Patch
+from ._fused_common import FALLBACK, FUSED_REQUIRES, SILU, fusable, fused_target, stock
 
 __all__ = ["PATCH"]
 
@@ -44,12 +42,8 @@ def _swiglu(self, x):
 
 
 PATCH = Patch(
-    name="swiglu",
-    summary="FLUX.2 SwiGLU as one kernel in eager mode",
-    targets=(
-        Target("diffusers.models.transformers.transformer_flux2:Flux2SwiGLU.forward",
-               make_replacement=fused("swiglu", _swiglu, SILU),
-               fingerprints=frozenset({"e565d6e467a53e9b"})),  # diffusers 0.42.1
-    ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+    name="swiglu", summary="FLUX.2 SwiGLU as one kernel in eager mode",
+    targets=(fused_target("swiglu", "diffusers.models.transformers.transformer_flux2:Flux2SwiGLU.forward", _swiglu,
+                          "e565d6e467a53e9b", SILU),),
+    requires=FUSED_REQUIRES,  # the fingerprint: diffusers 0.42.1
 )

@@ -44,8 +44,8 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch, Target
-from ._fused_common import FALLBACK, LAYER_NORM, fusable, fused, stock
+from .._declare import Patch
+from ._fused_common import FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, stock
 from ._modulate_calls import _vectors_fit, modulated_once
 
 __all__ = ["PATCH"]
@@ -141,11 +141,7 @@ def _block(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
 
 
 PATCH = Patch(
-    name="wan_block",
-    summary="Wan blocks: fp32 adaLN, gated residuals and norm2/norm3 in four kernels (eager)",
-    targets=(
-        Target(f"{_WAN}:WanTransformerBlock.forward", make_replacement=fused("wan_block", _block, _ASSUMES),
-               fingerprints=frozenset({"e3f915b69532cdf6"})),  # diffusers 0.42.1
-    ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+    name="wan_block", summary="Wan blocks: fp32 adaLN, gated residuals and norm2/norm3 in four kernels (eager)",
+    targets=(fused_target("wan_block", f"{_WAN}:WanTransformerBlock.forward", _block, "e3f915b69532cdf6", _ASSUMES),),
+    requires=FUSED_REQUIRES,  # the fingerprint: diffusers 0.42.1
 )

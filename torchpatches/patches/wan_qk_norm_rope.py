@@ -38,8 +38,9 @@ from typing import Any, Optional
 
 import torch
 
-from .._declare import Patch, Target
-from ._fused_common import FALLBACK, RMS_NORM, fusable, fused, plain_rms_norm, stock
+from .._declare import Patch
+from ._fused_common import (FALLBACK, FUSED_REQUIRES, RMS_NORM, fusable, fused_target, plain_rms_norm,
+                            stock)
 
 __all__ = ["PATCH"]
 
@@ -134,11 +135,8 @@ def _processor(self, attn, hidden_states, encoder_hidden_states=None, attention_
 
 
 PATCH = Patch(
-    name="wan_qk_norm_rope",
-    summary="Wan attention: q/k RMSNorm across heads + RoPE in one kernel (eager)",
-    targets=(
-        Target(f"{_WAN}:WanAttnProcessor.__call__", make_replacement=fused("wan_qk_norm_rope", _processor, RMS_NORM),
-               fingerprints=frozenset({"6bfcee2af4a77d09"})),  # diffusers 0.42.1
-    ),
-    requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
+    name="wan_qk_norm_rope", summary="Wan attention: q/k RMSNorm across heads + RoPE in one kernel (eager)",
+    targets=(fused_target("wan_qk_norm_rope", f"{_WAN}:WanAttnProcessor.__call__", _processor, "6bfcee2af4a77d09",
+                          RMS_NORM),),
+    requires=FUSED_REQUIRES,  # the fingerprint: diffusers 0.42.1
 )
