@@ -96,6 +96,7 @@ def test_triton_kernels_in_the_model(calls: Dict[str, int]) -> None:
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the automatic tier is the kernels'")
 def test_cpu_without_a_forced_tier_runs_diffusers(calls: Dict[str, int]) -> None:
     model, inputs = _model()
     assert torch.equal(run(model, inputs), reverted(model, inputs))

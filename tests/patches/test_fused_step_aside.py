@@ -107,7 +107,9 @@ def _vmapped(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
     def one(hidden_states: torch.Tensor) -> torch.Tensor:
         return model(**{**inputs, "hidden_states": hidden_states}, return_dict=False)[0]
 
-    with torch.no_grad():
+    # The math backend: under vmap diffusers' QwenImage mask stays unbatched, which CUDA's memory-efficient SDPA
+    # kernel refuses ("attn_bias: wrong shape") with every patch off too.
+    with torch.no_grad(), _math_attention():
         return torch.func.vmap(one)(batch)
 
 
