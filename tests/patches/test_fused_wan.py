@@ -291,17 +291,10 @@ def test_context_parallel_processor_is_not_covered() -> None:
 
 
 @pytest.mark.slow
-def test_compile_same_kernels_and_outputs(calls: Dict[str, int], record_property: Callable[[str, Any], None]) -> None:
-    from test_fused_patches import compile_and_count
+def test_compile_same_kernels_and_outputs(calls: Dict[str, int], record_property: Callable[[str, Any], None],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUX's compile case (test_fused_patches.py) on tiny wan-fused: same Inductor kernels, same outputs."""
+    import test_fused_patches as flux
 
-    model, inputs = tiny("wan")
-    with torchpatches.disabled(*FUSED):
-        ref, ref_kernels = compile_and_count(model, inputs)
-    with force_tier("torch"):  # even with the fused path allowed on CPU, tracing keeps diffusers' code
-        out, kernels = compile_and_count(model, inputs)
-    torch._dynamo.reset()
-    record_property("inductor_fused_kernels", dict(vanilla=ref_kernels, patched=kernels))
-    print(f"\ninductor kernels, tiny wan, CPU, torch {torch.__version__}: vanilla {ref_kernels}, patched {kernels}")
-    assert not calls
-    assert kernels == ref_kernels
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    monkeypatch.setitem(flux.MODELS, "wan", lambda: tiny("wan"))
+    flux.test_compile_same_kernels_and_outputs("wan", calls, record_property)
