@@ -1,8 +1,9 @@
 """The tiny FLUX models the fused-pattern tests run (not a test module)."""
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
@@ -48,11 +49,18 @@ def reverted(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
         return run(model, inputs)
 
 
-def exact_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
-    """The patched run whose result must equal diffusers' bit for bit: the PyTorch tier forced and gelu_gemm off
-    (on CUDA its cuBLASLt epilogue rounds once where diffusers rounds twice; on the CPU it never runs)."""
+@contextlib.contextmanager
+def exact() -> Iterator[None]:
+    """Where a patched run must equal diffusers' bit for bit: the PyTorch tier forced and gelu_gemm off (on CUDA
+    its cuBLASLt epilogue rounds once where diffusers rounds twice; on the CPU it never runs)."""
     import torchpatches
     from torchpatches.ops._tiers import force_tier
 
     with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
+        yield
+
+
+def exact_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
+    """The patched run under :func:`exact`."""
+    with exact():
         return run(model, inputs)

@@ -8,9 +8,8 @@ gradients are asserted by test_fused_patches.py; forward AD, vmap/jvp and autoca
 """
 from __future__ import annotations
 
-import contextlib
 import types
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, reverted, run, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, exact, reverted, run, tiny  # noqa: E402
 from diffusers.models import normalization  # noqa: E402
 from diffusers.models.transformers import transformer_qwenimage as qwen  # noqa: E402
 from torchpatches._harness import build_model, count_kernels, tiny_inputs  # noqa: E402
@@ -44,14 +43,6 @@ def _model(dtype: torch.dtype = torch.float32):
     return tiny("qwenimage", dtype)
 
 
-@contextlib.contextmanager
-def _exact() -> Iterator[None]:
-    """The PyTorch tier forced and gelu_gemm off (``exact_run``'s setting): bit-identical to diffusers on a GPU
-    too, where gelu_gemm's cuBLASLt epilogue rounds once (on the CPU it never runs)."""
-    with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
-        yield
-
-
 # ---- the fused path computes what diffusers computes ------------------------------------------
 
 
@@ -63,7 +54,7 @@ def test_fused_path_equals_diffusers(dtype: torch.dtype, calls: Dict[str, int]) 
     assert not inputs["encoder_hidden_states_mask"].all(), "the config's inputs carry a padded mask"
     ref = reverted(model, inputs)
     assert not calls
-    with _exact():
+    with exact():
         out = run(model, inputs)
     assert dict(calls) == EXPECTED
     assert torch.equal(out, ref)
@@ -79,7 +70,7 @@ def test_batch_of_two_with_different_masks(calls: Dict[str, int]) -> None:
                   encoder_hidden_states_mask=torch.tensor([[1] * 8, [1] * 5 + [0] * 3], device=DEVICE),
                   img_shapes=[[(1, 4, 4)], [(1, 4, 4)]])
     ref = reverted(model, inputs)
-    with _exact():
+    with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref) and dict(calls) == EXPECTED
 
@@ -105,7 +96,7 @@ def test_cpu_without_a_forced_tier_runs_diffusers(calls: Dict[str, int]) -> None
 
 def test_float64_gets_diffusers_code(calls: Dict[str, int]) -> None:
     model, inputs = _model(torch.float64)
-    with _exact():
+    with exact():
         out = run(model, inputs)
     assert torch.equal(out, reverted(model, inputs)) and not calls
 
@@ -114,7 +105,7 @@ def test_float64_gets_diffusers_code(calls: Dict[str, int]) -> None:
 def test_each_pattern_off_alone_still_equal(off: str, calls: Dict[str, int]) -> None:
     model, inputs = _model(torch.bfloat16)
     ref = reverted(model, inputs)
-    with _exact(), torchpatches.disabled(off):
+    with exact(), torchpatches.disabled(off):
         out = run(model, inputs)
     assert torch.equal(out, ref)
     want = {"qwenimage_block": {"modulate": 1, "qk_norm_rope": 2}, "qwenimage_qk_norm_rope": {"modulate": 13}}
@@ -138,7 +129,7 @@ def test_mask_forms_equal_diffusers(mask: str, calls: Dict[str, int]) -> None:
     with torch.no_grad():
         with torchpatches.disabled(*FUSED):
             ref = block(**args)
-        with _exact():
+        with exact():
             out = block(**args)
     assert all(torch.equal(o, r) for o, r in zip(out, ref))
     assert dict(calls) == {"modulate": 6, "qk_norm_rope": 1}
@@ -162,7 +153,7 @@ def test_processor_replacement_shows_the_original_signature() -> None:
 
 def test_external_attention_mask_gets_diffusers_error(calls: Dict[str, int]) -> None:
     model, inputs = _model()
-    with _exact(), pytest.raises(ValueError, match="external attention_mask"):
+    with exact(), pytest.raises(ValueError, match="external attention_mask"):
         run(model, {**inputs, "attention_kwargs": {"attention_mask": torch.ones(1, 24, dtype=torch.bool)}})
     assert calls["qk_norm_rope"] == 0
 
@@ -173,7 +164,7 @@ def test_new_freqs_and_masks_are_not_served_from_the_cache(calls: Dict[str, int]
     other = {**inputs, "hidden_states": inputs["hidden_states"][:, :8], "img_shapes": [[(1, 2, 4)]],
              "encoder_hidden_states_mask": torch.tensor([[1, 1, 1, 1, 0, 0, 0, 0]], device=DEVICE)}
     for case in (inputs, other, inputs):
-        with _exact():
+        with exact():
             out = run(model, case)
         assert torch.equal(out, reverted(model, case))
     # In place: the cached tables and mask are rebuilt when their sources change.
@@ -198,7 +189,7 @@ def test_inference_mode_is_served_without_the_cache(calls: Dict[str, int]) -> No
     seen: Dict[str, Any] = {}
     hook = model.transformer_blocks[0].register_forward_pre_hook(lambda m, a, k: seen.update(k), with_kwargs=True)
     try:
-        with torch.inference_mode(), _exact():
+        with torch.inference_mode(), exact():
             out = model(**inputs, return_dict=False)[0]
     finally:
         hook.remove()
@@ -232,7 +223,7 @@ def test_hooked_norms_get_diffusers_code(calls: Dict[str, int]) -> None:
     hooks = [block.img_norm2.register_forward_hook(lambda m, a, o: seen.append("img_norm2")),
              model.transformer_blocks[1].attn.norm_added_k.register_forward_hook(lambda m, a, o: seen.append("k"))]
     try:
-        with _exact():
+        with exact():
             out = run(model, inputs)
     finally:
         for hook in hooks:
@@ -253,7 +244,7 @@ def test_accelerate_and_diffusers_hooks_get_diffusers_code(calls: Dict[str, int]
     accelerate_hooks.add_hook_to_module(model.transformer_blocks[0].txt_norm1, accelerate_hooks.ModelHook())
     HookRegistry.check_if_exists_or_initialize(model.transformer_blocks[1].attn.norm_q).register_hook(
         ModelHook(), "spy")
-    with _exact():
+    with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref)
     assert dict(calls) == {"modulate": 7, "qk_norm_rope": 1}
@@ -269,7 +260,7 @@ def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
     model.add_adapter(config)
     ref = reverted(model, inputs)
     assert not torch.equal(ref, base), "the adapter must change the output"
-    with _exact():
+    with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref)
     assert dict(calls) == EXPECTED  # projections and MLPs are module calls: the fused glue still runs
@@ -284,7 +275,7 @@ def test_context_parallel_processor_gets_diffusers_code(calls: Dict[str, int]) -
         block.attn.processor._parallel_config = config
     with torchpatches.disabled(*FUSED), pytest.raises(AttributeError, match="ring_degree") as ref:
         run(model, inputs)
-    with _exact(), pytest.raises(AttributeError, match="ring_degree") as got:
+    with exact(), pytest.raises(AttributeError, match="ring_degree") as got:
         run(model, inputs)
     assert str(got.value) == str(ref.value)
     assert calls["qk_norm_rope"] == 0 and calls["modulate"] == 2  # block 0's norm1 ran before the attention
@@ -302,7 +293,7 @@ def test_subclasses_get_their_own_code(calls: Dict[str, int]) -> None:
     block = model.transformer_blocks[0]
     block.__class__ = Halved
     ref = reverted(model, inputs)
-    with _exact():
+    with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref) and calls["modulate"] == 7
     calls.clear()
@@ -315,7 +306,7 @@ def test_subclasses_get_their_own_code(calls: Dict[str, int]) -> None:
     args = dict(hidden_states=torch.randn(1, 16, 32).as_subclass(Marked), encoder_hidden_states=torch.randn(1, 8, 32),
                 encoder_hidden_states_mask=None, temb=temb,
                 image_rotary_emb=model.pos_embed([(1, 4, 4)], max_txt_seq_len=8, device=DEVICE))
-    with torch.no_grad(), _exact():
+    with torch.no_grad(), exact():
         out = block(**args)
         with torchpatches.disabled(*FUSED):
             ref = block(**args)
@@ -337,7 +328,7 @@ def test_zero_cond_t_edit_model_steps_aside_in_the_block(calls: Dict[str, int]) 
     inputs.pop("return_dict")
     inputs["img_shapes"] = [[(1, 2, 4), (1, 2, 4)]]  # the image, then the reference image
     ref = reverted(model, inputs)
-    with _exact():
+    with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref)
     assert dict(calls) == {"modulate": 1, "qk_norm_rope": 2}
