@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch  # noqa: E402
 
 __all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
-           "save_json", "compile_once", "command_line"]
+           "save_json", "compile_once", "command_line", "Clocks"]
 
 
 def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -79,6 +79,68 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times, host
+
+
+class Clocks:
+    """The GPU's SM clock (MHz), power draw (W) and active clock-event (throttle) reasons, sampled every 50 ms by
+    ``nvidia-smi -lms`` in the background, so a row's GPU time can be read against the clock it ran at (issue 17:
+    GEMM time rises when the elementwise kernels are fused away, in compiled steps too).
+
+    ``window()`` marks a timed stretch; ``stats(windows)`` summarises the samples inside those stretches. Without
+    ``nvidia-smi`` (CPU runs) every ``stats`` is None."""
+
+    FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+    def __init__(self) -> None:
+        import shutil
+        import subprocess
+        import threading
+
+        self.samples: List[Tuple[float, float, float, float, int]] = []
+        self.proc = None
+        if shutil.which("nvidia-smi") is None or not torch.cuda.is_available():
+            return
+        index = torch.cuda.current_device()
+        self.proc = subprocess.Popen(
+            ["nvidia-smi", "-i", str(index), f"--query-gpu={self.FIELDS}", "--format=csv,noheader,nounits",
+             "-lms", "50"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        import datetime
+
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                when = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                reasons = int(parts[4], 16) if parts[4].startswith("0x") else 0
+                self.samples.append((when, float(parts[1]), float(parts[2]), float(parts[3]), reasons))
+            except (ValueError, IndexError):
+                continue  # a header or an unsupported field: no sample
+
+    @staticmethod
+    @contextlib.contextmanager
+    def window(windows: List[Tuple[float, float]]) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            windows.append((start, time.time()))
+
+    def stats(self, windows: List[Tuple[float, float]]) -> Optional[Dict[str, float]]:
+        """Median SM MHz, W and C over the samples inside ``windows``, and the share of them with a power or
+        thermal clock-event reason set (nvidia-smi's bits 0x4 SW power cap, 0x8 HW slowdown, 0x20 SW thermal,
+        0x40 HW thermal, 0x80 HW power brake)."""
+        inside = [s for s in self.samples if any(a <= s[0] <= b for a, b in windows)]
+        if not inside:
+            return None
+        return {"sm_mhz": statistics.median(s[1] for s in inside), "power_w": statistics.median(s[2] for s in inside),
+                "temp_c": statistics.median(s[3] for s in inside),
+                "capped_frac": sum(1 for s in inside if s[4] & 0xEC) / len(inside), "samples": len(inside)}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
 
 
 _ATTENTION = re.compile(r"sdpa|flash|fmha|attention|attn", re.I)

@@ -25,8 +25,9 @@ row has its own code object (Dynamo caches per code object), so vanilla and patc
 side and alternate without recompiling; a recompile during timing is reported. Per row: step ms, ratio to eager
 vanilla and to the faster vanilla compile, GPU kernel ms by class (GEMM / attention / other) and launches per
 step (torch.profiler), host ms (wall time of enqueueing one step on an empty queue), GPU idle ms (step minus
-kernel time), and ||out - ref|| / ||ref|| against eager vanilla (compiled + patches also against its vanilla
-compile). Inductor's caches are off. ``--json PATH`` is rewritten after every first call and round, so a run
+kernel time), ||out - ref|| / ||ref|| against eager vanilla (compiled + patches also against its vanilla
+compile), and the GPU's median SM clock, power and share of samples with a power/thermal clock-event reason
+while the row was timed (``nvidia-smi -lms 50`` in the background). Inductor's caches are off. ``--json PATH`` is rewritten after every first call and round, so a run
 cut short keeps what it measured; ``--summary`` prints the tables of such files again.
 
     python benchmarks/dit.py --models wan --json wan.json                      # GPU
@@ -62,6 +63,7 @@ GROUPS = {"eager": ("eager/vanilla", "eager/all"), "regional": ("regional/vanill
           "full": ("full/vanilla", "full/all"), "after": ("after/vanilla", "after/all"),
           "graph": ("graph/vanilla", "graph/all")}
 COMPILED = ("regional", "full")
+CLOCKS: Optional[_bench.Clocks] = None  # the GPU's clock and power while rows are timed (main, on CUDA)
 
 
 # ---- which fused patterns run on a model ------------------------------------------------------------
@@ -86,8 +88,28 @@ def fused_patterns() -> Dict[str, types.ModuleType]:
 
 
 def _bodies(patches: Dict[str, types.ModuleType]) -> Dict[types.CodeType, str]:
-    """code -> pattern of the functions each bound replacement closes over (its body), the original left out."""
+    """code -> pattern of the functions each bound replacement closes over (its body), the original left out.
+
+    Followed through a shim around ``fused()``'s replacement (QwenImage's processor keeps the original's parameter
+    list and holds the replacement in a tuple): the shared replacement code of ``_fused_common`` is walked through,
+    never counted as one pattern's body."""
     from torchpatches._slot import MARK_ORIGINAL, MARK_PATCH
+    from torchpatches.patches import _fused_common
+
+    def closed_over(fn: Any, original: Any, depth: int) -> Iterator[Any]:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            for v in value if isinstance(value, tuple) else (value,):
+                if v is original or not isinstance(getattr(v, "__code__", None), types.CodeType):
+                    continue
+                if v.__code__.co_filename == _fused_common.__file__:
+                    if depth:
+                        yield from closed_over(v, original, depth - 1)
+                else:
+                    yield v
 
     codes = {}
     for name, module in patches.items():
@@ -98,14 +120,8 @@ def _bodies(patches: Dict[str, types.ModuleType]) -> Dict[types.CodeType, str]:
                 obj = getattr(obj, part, None)
             if getattr(obj, MARK_PATCH, None) != name:
                 continue
-            original = getattr(obj, MARK_ORIGINAL, None)
-            for cell in getattr(obj, "__closure__", None) or ():
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                if value is not original and isinstance(getattr(value, "__code__", None), types.CodeType):
-                    codes[value.__code__] = name
+            for body in closed_over(obj, getattr(obj, MARK_ORIGINAL, None), 2):
+                codes[body.__code__] = name
     return codes
 
 
@@ -226,6 +242,7 @@ class Row:
         self.output: Optional[torch.Tensor] = None
         self.profile: Optional[Dict[str, Any]] = None
         self.error: Optional[str] = None
+        self.windows: List[Tuple[float, float]] = []  # wall-clock stretches of the timed rounds (CLOCKS)
 
     def first(self, device: torch.device) -> None:
         """The first call (a compile for compiled rows, Triton JIT for fused eager ones): its time and output."""
@@ -240,7 +257,8 @@ class Row:
     def measure(self, device: torch.device, warmup: int, iters: int) -> None:
         with self.context(), torch.inference_mode():
             before = graphs_compiled()
-            times, host = _bench.time_steps(self.step, device, warmup, iters)
+            with _bench.Clocks.window(self.windows):
+                times, host = _bench.time_steps(self.step, device, warmup, iters)
             self.recompiles += graphs_compiled() - before
         self.times += times
         self.host += host
@@ -254,6 +272,8 @@ class Row:
             med = row["median_ms"]
             row.update(round_medians_ms=self.round_medians, times_ms=self.times, host_ms=statistics.median(self.host),
                        spread=(max(self.round_medians) - min(self.round_medians)) / med, recompiles=self.recompiles)
+        if CLOCKS is not None and self.windows:
+            row["clocks"] = CLOCKS.stats(self.windows)
         if self.profile is not None:
             row["profile"] = self.profile
             if self.times:
@@ -480,13 +500,15 @@ def print_model(name: str, entry: Dict[str, Any]) -> None:
     print(f"\n{name}: {entry['class']}, {layers} of {'+'.join(map(str, entry['model_layers']))} layers, "
           f"{entry['params_b']:.2f} B params, {entry['steps_per_round']} steps x {entry['rounds']} rounds{note}")
     print(f"{'variant':<24}{'median ms':>10}{'spread':>8}{'/eager':>8}{'/compile':>9}{'GEMM':>8}{'attn':>7}"
-          f"{'other':>7}{'launch':>7}{'host ms':>8}{'idle ms':>8}{'err/eager':>10}{'err/comp':>9}{'first s':>8}")
+          f"{'other':>7}{'launch':>7}{'host ms':>8}{'idle ms':>8}{'err/eager':>10}{'err/comp':>9}{'first s':>8}"
+          f"{'SM MHz':>7}{'W':>5}{'capped':>7}")
     for key, row in entry["rows"].items():
         if row.get("error"):
             print(f"{key:<24} FAILED: {row['error'][:100]}")
             continue
         prof = row.get("profile") or {}
         by = prof.get("ms_by_class", {})
+        clocks = row.get("clocks") or {}
         flag = f"  ({row['recompiles']} recompiles while timed)" if row.get("recompiles") else ""
         spread = 100 * row["spread"] if "spread" in row else None
         print(f"{key:<24}{_f(row.get('median_ms'), '.2f', 10)}{_f(spread, '.1f', 8, '%')}"
@@ -495,7 +517,9 @@ def print_model(name: str, entry: Dict[str, Any]) -> None:
               f"{_f(by.get('gemm'), '.1f', 8)}{_f(by.get('attention'), '.1f', 7)}{_f(by.get('other'), '.1f', 7)}"
               f"{_f(prof.get('launches_per_step'), '.0f', 7)}{_f(row.get('host_ms'), '.1f', 8)}"
               f"{_f(row.get('gpu_idle_ms'), '.1f', 8)}{_f(row.get('rel_err_vs_eager_vanilla'), '.2e', 10)}"
-              f"{_f(row.get('rel_err_vs_vanilla_compile'), '.2e', 9)}{_f(row.get('first_call_s'), '.1f', 8)}{flag}")
+              f"{_f(row.get('rel_err_vs_vanilla_compile'), '.2e', 9)}{_f(row.get('first_call_s'), '.1f', 8)}"
+              f"{_f(clocks.get('sm_mhz'), '.0f', 7)}{_f(clocks.get('power_w'), '.0f', 5)}"
+              f"{_f(clocks.get('capped_frac'), '.0%', 7)}{flag}")
     runs_ = [f"{p} ({a['calls'] - a['fallbacks']}/{a['calls']} calls fused)" for p, a in entry["patterns"].items()
              if runs(a)]
     print(f"  fused patterns that run: {', '.join(runs_) or 'none'}")
@@ -626,10 +650,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         forced = force_tier("torch")
     if args.after_compile:
         _bench.compile_once(torch.device("cpu" if args.tiny else "cuda"))
-    with forced:
-        for name in args.models:
-            run_model(name, args, results)
-            _bench.save_json(args.json, results)
+    global CLOCKS
+    CLOCKS = None if args.tiny else _bench.Clocks()
+    try:
+        with forced:
+            for name in args.models:
+                run_model(name, args, results)
+                _bench.save_json(args.json, results)
+    finally:
+        if CLOCKS is not None:
+            CLOCKS.close()
     print_summary(results["models"])
     print("\n" + " ".join(f"{k} {v}" for k, v in results["versions"].items()))
     print(torchpatches.status())

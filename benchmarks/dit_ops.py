@@ -285,7 +285,7 @@ def sdpa_probe(tp: Any, shape: Dict[str, Any], device: torch.device) -> Dict[str
     # 1. RoPE alone: diffusers' complex multiply vs the op's torch tier (x * cos + rotate(x) * sin)
     img_freqs, txt_freqs = s["freqs"]
     x = torch.randn(1, img_freqs.shape[0], s["H"], s["Dh"], generator=s["gen"], device=device)
-    cos, sin = rope_tables(img_freqs, txt_freqs, x.shape[1], txt_freqs.shape[0], s["Dh"], device)
+    cos, sin = rope_tables(img_freqs, txt_freqs, x.shape[1], txt_freqs.shape[0], s["Dh"], x.device)  # "cuda:0", not "cuda"
     T = txt_freqs.shape[0]
     complex_form = qwen.apply_rotary_emb_qwen(x, img_freqs, use_real=False)
     real_form = _rope_torch(x, cos[T:], sin[T:])

@@ -1,0 +1,120 @@
+"""Where the host time of one eager step goes (issue 17: enqueueing a fused FLUX.1-dev step takes 77 ms, goal 40).
+
+For each model and variant (``vanilla``: every patch reverted; ``all``: every patch applied), in one process:
+host ms per step without a profiler (wall time of enqueueing one step on an empty queue, median of
+``--steps``), then ``cProfile`` over ``--steps`` steps: self time per step grouped by where the function
+lives (torchpatches, diffusers, torch.nn modules, other torch Python, triton, C calls such as ``linear`` or a
+kernel launch, the rest), calls per step, and the top functions by self time. cProfile adds a cost per Python
+call, so its total exceeds the unprofiled host time; the split between groups is what it is for.
+
+    python benchmarks/host_profile.py --models flux2 --json host.json                 # GPU
+    python benchmarks/host_profile.py --models flux1 --layers flux1=19+38 --top 30
+    python benchmarks/host_profile.py --tiny --models flux1                           # CPU smoke test
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _bench, _dit_models, dit beside this file
+import _bench  # noqa: E402,I001  (before torch: turns Inductor's caches off)
+
+import argparse  # noqa: E402
+import cProfile  # noqa: E402
+import functools  # noqa: E402
+import pstats  # noqa: E402
+import statistics  # noqa: E402
+from typing import Any, Dict, List, Optional  # noqa: E402
+
+import torch  # noqa: E402
+
+import dit  # noqa: E402
+
+GROUPS = (("torchpatches", "/torchpatches/"), ("diffusers", "/diffusers/"), ("torch.nn modules", "/torch/nn/modules/"),
+          ("torch other", "/torch/"), ("triton", "/triton/"))
+
+
+def group_of(filename: str, name: str) -> str:
+    if filename == "~":  # a C function: cProfile names it "<built-in method ...>" / "<method ... of ... objects>"
+        return "C calls"
+    for label, part in GROUPS:
+        if part in filename.replace(os.sep, "/"):
+            return label
+    return "other Python"
+
+
+def profile_steps(step: Any, device: torch.device, steps: int, top: int) -> Dict[str, Any]:
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    _, host = _bench.time_steps(step, device, 2, steps)
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        profiler.enable()
+        step()
+        profiler.disable()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    groups: Dict[str, float] = {}
+    rows = []
+    calls = 0
+    for (filename, line, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        label = group_of(filename, name)
+        groups[label] = groups.get(label, 0.0) + tottime * 1e3 / steps
+        calls += ncalls
+        rows.append((tottime * 1e3 / steps, ncalls / steps, cumtime * 1e3 / steps,
+                     f"{label}: {os.path.basename(filename)}:{line} {name}"[:110]))
+    rows.sort(reverse=True)
+    return {"host_ms": statistics.median(host), "profiled_ms": sum(groups.values()),
+            "python_calls_per_step": calls / steps, "self_ms_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+            "top": rows[:top]}
+
+
+def report(name: str, variant: str, result: Dict[str, Any]) -> None:
+    print(f"\n[{name}] {variant}: host {result['host_ms']:.1f} ms per step unprofiled; under cProfile "
+          f"{result['profiled_ms']:.1f} ms, {result['python_calls_per_step']:.0f} function calls per step")
+    for label, ms in result["self_ms_by_group"].items():
+        print(f"  {label:<18}{ms:9.2f} ms")
+    print(f"  {'self ms':>9}{'calls':>8}{'cum ms':>9}  function")
+    for tottime, ncalls, cumtime, where in result["top"]:
+        print(f"  {tottime:9.3f}{ncalls:8.0f}{cumtime:9.2f}  {where}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="flux2")
+    parser.add_argument("--layers", default="", help="as dit.py: flux1=19+38")
+    parser.add_argument("--variants", default="vanilla,all")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--tiny", action="store_true", help="the harness's tiny configs on the CPU (PyTorch tiers)")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    opts = dit.parse(["--models", args.models] + (["--layers", args.layers] if args.layers else [])
+                     + (["--tiny"] if args.tiny else []))
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    results: Dict[str, Any] = {"versions": _bench.versions(), "command": _bench.command_line(argv), "models": {}}
+    import contextlib
+
+    from torchpatches.ops._tiers import force_tier
+
+    with force_tier("torch") if args.tiny else contextlib.nullcontext():
+        for name in opts.models:
+            model, feed, _, config = dit.load(name, opts, device, dtype)
+            step = functools.partial(model, **feed)
+            entry = results["models"][name] = {"layers": list(dit.layers_of(dit.SPECS[name], config))}
+            for variant in args.variants.split(","):
+                with _bench.state(variant), torch.inference_mode():
+                    entry[variant] = profile_steps(step, device, args.steps, args.top)
+                report(name, variant, entry[variant])
+                _bench.save_json(args.json, results)
+            del model, feed, step
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
