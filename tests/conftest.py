@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import textwrap
 import uuid
@@ -9,6 +10,15 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+
+# Inductor's start-up costs in every process that first compiles for the CPU (each xdist worker, each child
+# process a test starts), on the 2-core CI machine. Children inherit both; a value set in the environment wins.
+# - It checks each CPU vector ISA by compiling a probe and loading it in a fresh Python that imports torch
+#   (~30 s, half of it skipped here): trust the ISAs the CPU reports for the base check.
+# - A pool of compile workers (one per core, each importing torch, ~4 s) compiles nothing faster while both
+#   cores run pytest workers: compile in the process.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 @pytest.fixture
