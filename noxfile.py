@@ -180,13 +180,13 @@ def peft_accelerate(session: nox.Session) -> None:
                     "-e", ".[test]", env=_pip_env())
     session.run("python", "-c", "import peft, accelerate, accelerate.hooks, torch; "
                 "print(f'peft {peft.__version__}, accelerate {accelerate.__version__}, torch {torch.__version__}')")
+    # Every model's LoRA case (FLUX.1, and SD3 / Wan / QwenImage parametrized) and the accelerate hooks.
     _pytest(session, "tests/patches/test_fused_patches.py", "-k", "lora or accelerate", "-rs")
     _pytest(session, "tests/patches/test_lora.py", "-rs")  # the lora pattern (peft's LoRA layers)
-    # Every model's LoRA step-aside case, the adapter invalidations of the remembered verdicts and the CUDA graphs
-    # (they skip where peft is absent, as in the tests-<torch> sessions).
-    _pytest(session, "tests/patches/test_fused_sd3.py", "tests/patches/test_fused_wan.py",
-            "tests/patches/test_fused_qwenimage.py", "tests/patches/test_fused_verdicts.py", "tests/test_cuda_graphs.py",
-            "-k", "lora or peft", "-rs")
+    # The adapter invalidations of the remembered verdicts and the CUDA graphs (they skip where peft is absent, as
+    # in the tests-<torch> sessions); QwenImage's accelerate-hook case.
+    _pytest(session, "tests/patches/test_fused_verdicts.py", "tests/test_cuda_graphs.py",
+            "tests/patches/test_fused_qwenimage.py", "-k", "lora or peft or accelerate", "-rs")
 
 
 @nox.session(python=False)

@@ -28,6 +28,12 @@ def hyp(max_examples: int) -> Dict[str, Any]:
     return dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), max_examples=max_examples)
 
 
+def interleaved_tables(angles: torch.Tensor) -> tuple:
+    """``(cos, sin)`` of ``[..., D/2]`` angles, each value repeated for the two elements of its pair (FLUX's
+    ``use_real`` tables, the ops' cos/sin layout)."""
+    return angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+
+
 MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 #: Unit roundoff per dtype (half an ulp at 1.0).
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}

@@ -13,21 +13,13 @@ from typing import Any, Dict
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_checks import UNIT, pair_norm, ulps
+from _fused_checks import UNIT, hyp, interleaved_tables, needs_triton, pair_norm, ulps
 from torchpatches.ops.qk_norm_rope import qk_norm_rope
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
-
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), max_examples=20)
+HYP = hyp(20)
 
 
 @st.composite
@@ -47,10 +39,10 @@ def cases(draw: Any) -> Dict[str, Any]:
             return [t.unflatten(-1, (H, D)) for t in proj[..., : 3 * H * D].chunk(3, dim=-1)]
         return [(torch.randn(B, s, H, D, generator=g) * 3).to(dtype) for _ in range(3)]
 
-    ang = torch.rand(S + St, D // 2, generator=g, dtype=torch.float64) * 50
+    cos, sin = interleaved_tables(torch.rand(S + St, D // 2, generator=g, dtype=torch.float64) * 50)
     return dict(img=qkv(S), txt=qkv(St) if St else None, dtype=dtype,
                 weights=[(torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(4)],
-                cos=ang.cos().repeat_interleave(2, -1).float(), sin=ang.sin().repeat_interleave(2, -1).float())
+                cos=cos.float(), sin=sin.float())
 
 
 def call(case: Dict[str, Any], tier: str):
@@ -120,7 +112,7 @@ def test_torch_tier_equals_diffusers_modules(dtype: torch.dtype) -> None:
     for n in norms:
         n.weight.data = (torch.rand(8, generator=g) + 0.5).to(dtype)
     ang = torch.rand(8, 4, generator=g) * 10
-    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    cos, sin = interleaved_tables(ang)
     with torchpatches.disabled("rope"):
         rq = embeddings.apply_rotary_emb(torch.cat([norms[2](qt), norms[0](q)], 1), (cos, sin), sequence_dim=1)
         rk = embeddings.apply_rotary_emb(torch.cat([norms[3](kt), norms[1](k)], 1), (cos, sin), sequence_dim=1)
@@ -151,7 +143,7 @@ def test_bad_input_raises_before_computing() -> None:
 def test_compiles_fullgraph_as_a_custom_op() -> None:
     q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
     ang = torch.rand(4, 4)
-    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    cos, sin = interleaved_tables(ang)
     w = torch.rand(8) + 0.5
 
     def fn(q, k):

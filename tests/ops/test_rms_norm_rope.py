@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_checks import DTYPES, HAS_TRITON, UNIT, hyp, needs_triton, pair_norm, ulps
+from _fused_checks import DTYPES, HAS_TRITON, UNIT, hyp, interleaved_tables, needs_triton, pair_norm, ulps
 from torchpatches.ops.rms_norm_rope import rms_norm_rope
 
 HYP = hyp(20)
@@ -40,11 +40,10 @@ def cases(draw: Any) -> Dict[str, Any]:
             return (torch.randn(B, s, 3 * W + 5, generator=g) * 3).to(dtype)[..., W: 2 * W]
         return (torch.randn(B, s, W, generator=g) * 3).to(dtype)
 
-    ang = torch.rand(S, D // 2, generator=g, dtype=torch.float64) * 50
+    cos, sin = interleaved_tables(torch.rand(S, D // 2, generator=g, dtype=torch.float64) * 50)
     return dict(q=rows(S), k=rows(Sk), dtype=dtype, D=D,
                 weights=[(torch.rand(W, generator=g) + 0.5).to(dtype) for _ in range(2)],
-                cos=ang.cos().repeat_interleave(2, -1).float() if rope else None,
-                sin=ang.sin().repeat_interleave(2, -1).float() if rope else None)
+                cos=cos.float() if rope else None, sin=sin.float() if rope else None)
 
 
 def call(case: Dict[str, Any], tier: str):
@@ -162,7 +161,7 @@ def test_gradients_take_the_torch_tier_and_a_kernel_tier_refuses() -> None:
     k = torch.randn(1, 4, 16)
     w = torch.rand(16) + 0.5
     ang = torch.rand(4, 4)
-    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    cos, sin = interleaved_tables(ang)
     oq, ok = rms_norm_rope(q, k, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, cos=cos, sin=sin)
     assert oq.grad_fn is not None
     oq.sum().backward()
@@ -175,7 +174,7 @@ def test_gradients_take_the_torch_tier_and_a_kernel_tier_refuses() -> None:
 def test_compiles_fullgraph_as_a_custom_op() -> None:
     q, k = torch.randn(1, 4, 16), torch.randn(1, 4, 16)
     ang = torch.rand(4, 4)
-    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)
+    cos, sin = interleaved_tables(ang)
     w = torch.rand(16) + 0.5
 
     def fn(q, k):

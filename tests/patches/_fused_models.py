@@ -64,3 +64,28 @@ def exact_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
     """The patched run under :func:`exact`."""
     with exact():
         return run(model, inputs)
+
+
+def same(out: torch.Tensor, ref: torch.Tensor, which: str = "") -> bool:
+    """A patched run (PyTorch tier) against diffusers': bit for bit, except QwenImage in fp32 on a GPU.
+
+    diffusers' QwenImage RoPE is a complex64 multiply; CUDA evaluates it with fused multiply-adds, 1 ulp off the
+    real-form rotation (``x * cos + rotate(x) * sin``, each product rounded, as the CPU computes both) in 9%
+    (tiny) to 17% (production) of the rotated elements (H100, ``benchmarks/dit_ops.py --qwen-sdpa-probe``).
+    Attention and the GEMMs after it carry those ulps to the output: there ``rtol=1e-5, atol=1e-6``, far below
+    what a wrong mask, table or order gives (differences of order 1e-1)."""
+    if which == "qwenimage" and out.device.type == "cuda" and out.dtype == torch.float32:
+        return out.shape == ref.shape and torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    return torch.equal(out, ref)
+
+
+#: peft LoRA targets per model (each model's usual LoRA targets on the tiny config) and the fused op calls a
+#: LoRA-loaded forward still makes: the projections are module calls, the fused glue runs around them.
+LORA = {
+    "sd3": (["to_q", "to_k", "add_q_proj", "add_v_proj", "to_out.0", "to_add_out", "ff.net.0.proj",
+             "ff_context.net.2", "norm1.linear", "norm1_context.linear"], {"qk_norm_rope": 2, "modulate": 11}),
+    "wan": (["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
+            {"modulate": 8, "rms_norm_rope": 4}),
+    "qwenimage": (["to_q", "to_k", "add_v_proj", "to_out.0", "to_add_out", "img_mod.1", "txt_mod.1",
+                   "img_mlp.net.0.proj", "txt_mlp.net.2"], {"modulate": 13, "qk_norm_rope": 2}),
+}

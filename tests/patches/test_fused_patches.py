@@ -21,7 +21,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import FUSED, reverted, run, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, LORA, exact, reverted, run, same, tiny  # noqa: E402
 from diffusers.models import activations, normalization  # noqa: E402,F401  (the patch targets load)
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches import _gates  # noqa: E402
@@ -140,12 +140,12 @@ def test_patch_modules_import_nothing_heavy() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("which", sorted(MODELS))
 def test_fused_path_equals_diffusers(which: str, dtype: torch.dtype, calls: Dict[str, int]) -> None:
-    """PyTorch tier forced: the fused paths' rearranged code (views instead of concats, one call
-    instead of several) must give diffusers' values bit for bit."""
+    """PyTorch tier forced (and gelu_gemm off, ``exact``): the fused paths' rearranged code (views instead of
+    concats, one call instead of several) must give diffusers' values bit for bit."""
     model, inputs = MODELS[which](dtype)
     ref = vanilla(model, inputs)
     assert not calls, "the vanilla run must not reach the fused ops"
-    with force_tier("torch"):
+    with exact():
         out = run(model, inputs)
     assert dict(calls) == EXPECTED[which]
     assert torch.equal(out, ref)
@@ -164,6 +164,7 @@ def test_triton_kernels_in_the_model(which: str, calls: Dict[str, int]) -> None:
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the automatic tier is the kernels'")
 @pytest.mark.parametrize("which", sorted(MODELS))
 def test_cpu_without_a_forced_tier_runs_diffusers(which: str, calls: Dict[str, int]) -> None:
     model, inputs = MODELS[which]()
@@ -283,7 +284,7 @@ def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
     model.add_adapter(config)
     ref = vanilla(model, inputs)
     assert not torch.equal(ref, base), "the adapter must change the output"
-    with force_tier("torch"):
+    with exact():
         out = run(model, inputs)
         scaled = model(**inputs, joint_attention_kwargs={"scale": 0.5}, return_dict=False)[0].detach()
     assert torch.equal(out, ref)
@@ -291,6 +292,23 @@ def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
         scaled_ref = model(**inputs, joint_attention_kwargs={"scale": 0.5}, return_dict=False)[0].detach()
     assert torch.equal(scaled, scaled_ref)
     assert calls["qk_norm_rope"] > 0  # projections are called as modules, so the fused stretch still runs
+
+
+@pytest.mark.parametrize("which", sorted(LORA))
+def test_lora_layers_get_their_own_code_in_every_model(which: str, calls: Dict[str, int]) -> None:
+    """SD3, Wan, QwenImage with peft adapters on their usual LoRA targets: diffusers' values, the LoRA acts, and
+    the fused glue still runs around the adapted projections."""
+    peft = pytest.importorskip("peft")
+    targets, expected = LORA[which]
+    model, inputs = tiny(which)
+    base = reverted(model, inputs)
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, init_lora_weights=False, target_modules=targets))
+    ref = reverted(model, inputs)
+    assert not torch.equal(ref, base), "the adapter must change the output"
+    with exact():
+        out = run(model, inputs)
+    assert same(out, ref, which)
+    assert {name: calls[name] for name in expected} == expected
 
 
 @pytest.mark.parametrize("which, embedder", [("flux2", "x_embedder"), ("qwenimage", "img_in")])

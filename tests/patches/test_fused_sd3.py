@@ -234,23 +234,6 @@ def test_gradients_get_diffusers_code(calls: Dict[str, int]) -> None:
     assert model.pos_embed.proj.weight.grad is not None
 
 
-def test_lora_layers_get_their_own_code(calls: Dict[str, int]) -> None:
-    """A LoRA-loaded model (peft): outputs identical to diffusers', the LoRA acts, the fused stretch runs."""
-    peft = pytest.importorskip("peft")
-    model, inputs = tiny("sd3")
-    base = reverted(model, inputs)
-    model.add_adapter(peft.LoraConfig(
-        r=4, lora_alpha=4, init_lora_weights=False,
-        target_modules=["to_q", "to_k", "add_q_proj", "add_v_proj", "to_out.0", "to_add_out", "ff.net.0.proj",
-                        "ff_context.net.2", "norm1.linear", "norm1_context.linear"],
-    ))
-    ref = reverted(model, inputs)
-    assert not torch.equal(ref, base), "the adapter must change the output"
-    out = exact_run(model, inputs)
-    assert torch.equal(out, ref)
-    assert calls["qk_norm_rope"] == 2 and calls["modulate"] == 11
-
-
 def _half(real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return lambda *args, **kwargs: real(*args, **kwargs) * 0.5
 
