@@ -237,17 +237,23 @@ def test_global_token_follows_patches_tier_and_modes() -> None:
 def test_patch_state_selects_its_own_graph() -> None:
     model, inputs = build_model("flux1-fused"), tiny_inputs("flux1-fused")
     torchpatches.status()  # settles patches still pending on modules diffusers imported meanwhile (sd3_qk_norm)
-    w = wrap(model)
-    with force_tier("torch"), torch.inference_mode():
-        w(**inputs)
-        with torchpatches.disabled("adaln"):
-            assert torch.equal(w(**inputs)[0], model(**inputs)[0])
-        assert torch.equal(w(**inputs)[0], model(**inputs)[0])
-        assert w.info().captures == 2               # back on: the first graph again
-        with torchpatches.disabled():
+    was = torchpatches.status()["adaln"].state.value
+    torchpatches.apply("adaln")  # what disabling changes: applied here even if a test before reverted it
+    try:
+        w = wrap(model)
+        with force_tier("torch"), torch.inference_mode():
             w(**inputs)
-        w(**inputs)
-    assert w.info().captures == 3
+            with torchpatches.disabled("adaln"):
+                assert torch.equal(w(**inputs)[0], model(**inputs)[0])
+            assert torch.equal(w(**inputs)[0], model(**inputs)[0])
+            assert w.info().captures == 2               # back on: the first graph again
+            with torchpatches.disabled():
+                w(**inputs)
+            w(**inputs)
+        assert w.info().captures == 3
+    finally:
+        if was != "applied":
+            torchpatches.revert("adaln")
 
 
 def test_peft_adapters_recapture() -> None:
@@ -472,3 +478,9 @@ def test_gpu_host_sync_falls_back() -> None:
         assert torch.equal(w(x), x * 4)
     with torch.inference_mode():
         assert torch.equal(w(x * 2), x * 16) and w.info()[:3] == (0, 0, 2)
+    # The failed capture leaves the device's random generator usable (torch leaves it in capture mode).
+    assert torch.randn(3, device="cuda").shape == (3,)
+    torch.cuda.manual_seed(0)
+    a = torch.rand(3, device="cuda")
+    torch.cuda.manual_seed(0)
+    assert torch.equal(torch.rand(3, device="cuda"), a)

@@ -12,9 +12,12 @@ offloading hooks) is a :class:`CaptureFailed`; what raised during the warm-up is
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Tuple
 
 import torch
+
+_log = logging.getLogger("torchpatches")
 
 __all__ = ["CaptureFailed", "CudaBackend"]
 
@@ -47,6 +50,7 @@ class CudaBackend:
                     output = run()
             except Exception as error:  # noqa: BLE001 - any failure while capturing means: run this call eagerly
                 torch.cuda.synchronize()  # the failed capture's stream is out of capture mode before we go on
+                _end_generator_capture(device)
                 raise CaptureFailed(f"{type(error).__name__}: {error}".strip()[:400]) from error
         index = device.index
 
@@ -58,3 +62,19 @@ class CudaBackend:
                     graph.replay()
 
         return replay, output
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """Put the device's default CUDA generator back out of capture mode after a failed capture.
+
+    ``CUDAGraph.capture_end`` raises on an invalidated capture before it runs the generator's epilogue (torch
+    2.11-2.15), so the generator stays "capturing" and every later random op on the device fails with "Offset
+    increment outside graph capture encountered unexpectedly". One capture that succeeds runs the prologue and
+    epilogue again; a one-element fill keeps the graph non-empty (an empty one warns)."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        scratch = torch.empty(1, device=device)
+        with torch.cuda.graph(graph):
+            scratch.fill_(0.0)
+    except Exception as error:  # noqa: BLE001 - the capture's own failure is what the caller reports
+        _log.debug("cuda_graphs: the generator of %s stays in capture mode: %s", device, error)
