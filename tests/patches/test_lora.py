@@ -48,7 +48,8 @@ def lora_on(request: pytest.FixtureRequest) -> Iterator[None]:
     try:
         yield
     finally:
-        torchpatches.revert([n for n, s in were.items() if s != "applied"])
+        # A pattern that was pending (its module not imported yet) would have applied on import: not reverted.
+        torchpatches.revert([n for n, s in were.items() if s not in ("applied", "pending")])
 
 
 @pytest.fixture
@@ -228,7 +229,9 @@ def test_a_joint_attention_scale_costs_no_extra_op_or_sync(calls: List[Tuple[int
     calls.clear()
     scaled = aten_ops(model, inputs, joint_attention_kwargs={"scale": 0.8})
     assert len(calls) == LAYERS
-    assert scaled == plain and plain["aten.addmm_"] == LAYERS
+    assert scaled == plain, {op: (plain[op], scaled[op]) for op in set(plain) | set(scaled) if plain[op] != scaled[op]}
+    # On CUDA gelu_gemm runs: its GELU_LAYERS LoRA layers add their adapter in the GELU GEMM's epilogue instead.
+    assert plain["aten.addmm_"] == LAYERS - (GELU_LAYERS if DEVICE.type == "cuda" else 0)
     assert scaled["aten._local_scalar_dense"] == 0
 
 
