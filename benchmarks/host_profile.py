@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _bench, _dit_m
 import _bench  # noqa: E402,I001  (before torch: turns Inductor's caches off)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import cProfile  # noqa: E402
 import functools  # noqa: E402
 import pstats  # noqa: E402
@@ -96,8 +97,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     results: Dict[str, Any] = {"versions": _bench.versions(), "command": _bench.command_line(argv), "models": {}}
-    import contextlib
-
     from torchpatches.ops._tiers import force_tier
 
     with force_tier("torch") if args.tiny else contextlib.nullcontext():
