@@ -54,6 +54,18 @@ def ulps(out: torch.Tensor, ref: torch.Tensor, scale: Optional[torch.Tensor] = N
     return float((diff / ulp).max())
 
 
+def assert_rotated_close(got: Any, ref: Any, exact: Any, dtype: torch.dtype) -> None:
+    """A kernel tier's normed and rotated tensors against the PyTorch tier's (ulps at each rotated pair's
+    magnitude: 8 in fp32, where the statistics' summation order differs, else 1) and against float64 math (within
+    4 unit roundoffs: two roundings, after the norm and after the rotation)."""
+    limit = 8.0 if dtype == torch.float32 else 1.0
+    for g, r, e in zip(got, ref, exact):
+        assert g.shape == r.shape and g.is_contiguous() and g.dtype == dtype
+        assert ulps(g, r, pair_norm(r)) <= limit
+        err = ((g.double() - e).abs() / (pair_norm(e) + 1e-30)).max()
+        assert float(err) <= 4 * UNIT[dtype] + 1e-5
+
+
 def pair_norm(t: torch.Tensor) -> torch.Tensor:
     """|(a, b)| of each interleaved pair, for both elements (a rotation keeps it)."""
     p = t.double().reshape(*t.shape[:-1], -1, 2)

@@ -50,6 +50,21 @@ def reverted(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def patterns_applied(names: Tuple[str, ...]) -> Iterator[None]:
+    """``names`` applied for the block; afterwards the ones that were not applied are reverted again, except those
+    that were pending (their module not imported yet: they would have applied on import, and reverting them would
+    disable them for the test files that follow)."""
+    import torchpatches
+
+    were = {name: torchpatches.status()[name].state.value for name in names}
+    torchpatches.apply(list(names))
+    try:
+        yield
+    finally:
+        torchpatches.revert([n for n, s in were.items() if s not in ("applied", "pending")])
+
+
+@contextlib.contextmanager
 def exact() -> Iterator[None]:
     """Where a patched run must equal diffusers' bit for bit: the PyTorch tier forced and gelu_gemm off (on CUDA
     its cuBLASLt epilogue rounds once where diffusers rounds twice; on the CPU it never runs)."""

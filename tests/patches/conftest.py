@@ -6,21 +6,14 @@ from typing import Any, Callable, Dict, Iterator
 
 import pytest
 import torch
-from _fused_models import FUSED
+from _fused_models import FUSED, patterns_applied
 
 
 @pytest.fixture
 def fused_on() -> Iterator[None]:
     """Every fused pattern applied for the test; the previous state restored after it."""
-    import torchpatches
-
-    were = {name: torchpatches.status()[name].state.value for name in FUSED}
-    torchpatches.apply(list(FUSED))
-    try:
+    with patterns_applied(FUSED):
         yield
-    finally:
-        # A pattern that was pending (its module not imported yet) would have applied on import: not reverted.
-        torchpatches.revert([n for n, s in were.items() if s not in ("applied", "pending")])
 
 
 @pytest.fixture

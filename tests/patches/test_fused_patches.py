@@ -311,8 +311,9 @@ def test_lora_layers_get_their_own_code_in_every_model(which: str, calls: Dict[s
     assert {name: calls[name] for name in expected} == expected
 
 
-@pytest.mark.parametrize("which, embedder", [("flux2", "x_embedder"), ("qwenimage", "img_in")])
-def test_gradients_get_diffusers_code(which: str, embedder: str, calls: Dict[str, int]) -> None:
+@pytest.mark.parametrize("which, parameter", [("flux2", "x_embedder.weight"), ("qwenimage", "img_in.weight"),
+                                              ("sd3", "pos_embed.proj.weight"), ("wan", "blocks.0.scale_shift_table")])
+def test_gradients_get_diffusers_code(which: str, parameter: str, calls: Dict[str, int]) -> None:
     model, inputs = tiny(which)
     model.requires_grad_(True)
     with torchpatches.disabled(*FUSED):
@@ -321,7 +322,7 @@ def test_gradients_get_diffusers_code(which: str, embedder: str, calls: Dict[str
         out = model(**inputs, return_dict=False)[0]
     assert torch.equal(out, ref) and not calls
     out.sum().backward()
-    assert getattr(model, embedder).weight.grad is not None
+    assert model.get_parameter(parameter).grad is not None
 
 
 def test_joined_is_a_view_only_for_adjacent_slices() -> None:

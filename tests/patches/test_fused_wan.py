@@ -9,7 +9,7 @@ through ``_fused_models.MODELS``.
 from __future__ import annotations
 
 import collections
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
@@ -56,6 +56,14 @@ def _block_inputs(model: torch.nn.Module, inputs: Dict[str, Any]):
     finally:
         handle.remove()
     return seen["args"]
+
+
+def _patched_and_diffusers(block: torch.nn.Module, *args: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The block's output with the patterns (PyTorch tier forced) and with every pattern reverted."""
+    with torchpatches.disabled(*FUSED):
+        ref = block(*args)
+    with force_tier("torch"):
+        return block(*args), ref
 
 
 # ---- the fused path computes what diffusers computes ----------------------------------------------
@@ -147,10 +155,7 @@ def test_wan22_per_token_modulation(calls: Dict[str, int]) -> None:
         0.5, 1.5, hidden.shape[1], device=DEVICE)[None, :, None, None]
     block = model.blocks[0]
     with torch.no_grad():
-        with torchpatches.disabled(*FUSED):
-            ref = block(hidden, text, per_token, rotary)
-        with force_tier("torch"):
-            out = block(hidden, text, per_token, rotary)
+        out, ref = _patched_and_diffusers(block, hidden, text, per_token, rotary)
     assert torch.equal(out, ref)
     assert calls["modulate"] == 4
 
@@ -216,28 +221,13 @@ def test_subclassed_norm_gets_diffusers_code(calls: Dict[str, int]) -> None:
     assert torch.equal(out, ref) and calls["rms_norm_rope"] == 3
 
 
-def test_gradients_get_diffusers_code(calls: Dict[str, int]) -> None:
-    model, inputs = tiny("wan")
-    model.requires_grad_(True)
-    with torchpatches.disabled(*FUSED):
-        ref = model(**inputs, return_dict=False)[0]
-    with force_tier("torch"):
-        out = model(**inputs, return_dict=False)[0]
-    assert torch.equal(out, ref) and not calls
-    out.sum().backward()
-    assert model.blocks[0].scale_shift_table.grad is not None
-
-
 def test_prompt_requiring_grad_gets_diffusers_code(calls: Dict[str, int]) -> None:
     """A frozen model with only the prompt requiring grad: the cross-attention's k needs it."""
     model, inputs = tiny("wan")
     hidden, text, temb, rotary = _block_inputs(model, inputs)
     text = text.detach().requires_grad_(True)
     block = model.blocks[0]
-    with torchpatches.disabled(*FUSED):
-        ref = block(hidden, text, temb, rotary)
-    with force_tier("torch"):
-        out = block(hidden, text, temb, rotary)
+    out, ref = _patched_and_diffusers(block, hidden, text, temb, rotary)
     assert torch.equal(out, ref) and calls["modulate"] == 0 and calls["rms_norm_rope"] == 1  # self-attention only
     out.sum().backward()
     assert text.grad is not None
@@ -251,10 +241,7 @@ def test_rotary_of_another_dtype_gets_diffusers_self_attention(dtype: torch.dtyp
     rotary = (cos.to(dtype), sin.to(dtype))
     block = model.blocks[0]
     with torch.no_grad():
-        with torchpatches.disabled(*FUSED):
-            ref = block(hidden, text, temb, rotary)
-        with force_tier("torch"):
-            out = block(hidden, text, temb, rotary)
+        out, ref = _patched_and_diffusers(block, hidden, text, temb, rotary)
     assert torch.equal(out, ref)
     assert calls["rms_norm_rope"] == 1 and calls["modulate"] == 4  # cross-attention and the glue only
 

@@ -19,7 +19,7 @@ peft = pytest.importorskip("peft")
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, patterns_applied, tiny  # noqa: E402
 from peft.tuners.lora import layer as lora_layer  # noqa: E402  (the target loads: the patch applies)
 from torchpatches import _gates  # noqa: E402
 from torchpatches.ops import lora as ops  # noqa: E402
@@ -42,14 +42,8 @@ VERIFIED = peft.__version__.split(".")[:2] in [["0", str(minor)] for minor in ra
 def lora_on(request: pytest.FixtureRequest) -> Iterator[None]:
     if not VERIFIED and request.node.name != "test_applied_with_verified_fingerprint_and_revert_by_identity":
         pytest.skip(f"peft {peft.__version__} is outside the lora pattern's gate: {torchpatches.status()['lora']}")
-    names = (*FUSED, "lora")
-    were = {name: torchpatches.status()[name].state.value for name in names}
-    torchpatches.apply(list(names))
-    try:
+    with patterns_applied((*FUSED, "lora")):
         yield
-    finally:
-        # A pattern that was pending (its module not imported yet) would have applied on import: not reverted.
-        torchpatches.revert([n for n, s in were.items() if s not in ("applied", "pending")])
 
 
 @pytest.fixture
