@@ -35,7 +35,7 @@ GROUPS = (("torchpatches", "/torchpatches/"), ("diffusers", "/diffusers/"), ("to
           ("torch other", "/torch/"), ("triton", "/triton/"))
 
 
-def group_of(filename: str, name: str) -> str:
+def group_of(filename: str) -> str:
     if filename == "~":  # a C function: cProfile names it "<built-in method ...>" / "<method ... of ... objects>"
         return "C calls"
     for label, part in GROUPS:
@@ -61,7 +61,7 @@ def profile_steps(step: Any, device: torch.device, steps: int, top: int) -> Dict
     rows = []
     calls = 0
     for (filename, line, name), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
-        label = group_of(filename, name)
+        label = group_of(filename)
         groups[label] = groups.get(label, 0.0) + tottime * 1e3 / steps
         calls += ncalls
         rows.append((tottime * 1e3 / steps, ncalls / steps, cumtime * 1e3 / steps,
