@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, ContextManager, Dict, Iterable, Iterator, Tuple
 
 import torch
 
@@ -39,6 +39,18 @@ def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module
 def run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs, return_dict=False)[0]
+
+
+def run_hooked(model: torch.nn.Module, inputs: Dict[str, Any], hooks: Iterable[Any],
+               context: ContextManager[Any]) -> torch.Tensor:
+    """``run(model, inputs)`` inside ``context`` (a forced tier, ``exact()``), then the hooks removed, whatever
+    happened."""
+    try:
+        with context:
+            return run(model, inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def reverted(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, LORA, exact, reverted, run, same, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, LORA, exact, reverted, run, run_hooked, same, tiny  # noqa: E402
 from diffusers.models import activations, normalization  # noqa: E402,F401  (the patch targets load)
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches import _gates  # noqa: E402
@@ -208,12 +208,7 @@ def test_forward_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
         single.act_mlp.register_forward_pre_hook(lambda m, a: seen.update(["act_mlp"])),
         single.norm.norm.register_forward_hook(lambda m, a, o: seen.update(["single_norm"])),
     ]
-    try:
-        with force_tier("torch"):
-            out = run(model, inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    out = run_hooked(model, inputs, hooks, force_tier("torch"))
     assert torch.equal(out, ref)
     assert seen == {"norm2": 1, "norm_q": 1, "act_mlp": 1, "single_norm": 1}
     # The hooked block / processor / norm fell back; the other single block and the norm_out did not.

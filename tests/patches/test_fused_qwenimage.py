@@ -17,7 +17,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, exact, reverted, run, same, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, exact, reverted, run, run_hooked, same, tiny  # noqa: E402
 from diffusers.models import normalization  # noqa: E402
 from diffusers.models.transformers import transformer_qwenimage as qwen  # noqa: E402
 from torchpatches._harness import build_model, count_kernels, tiny_inputs  # noqa: E402
@@ -223,12 +223,7 @@ def test_hooked_norms_get_diffusers_code(calls: Dict[str, int]) -> None:
     block = model.transformer_blocks[0]
     hooks = [block.img_norm2.register_forward_hook(lambda m, a, o: seen.append("img_norm2")),
              model.transformer_blocks[1].attn.norm_added_k.register_forward_hook(lambda m, a, o: seen.append("k"))]
-    try:
-        with exact():
-            out = run(model, inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    out = run_hooked(model, inputs, hooks, exact())
     assert same(out, ref, "qwenimage") and seen == ["img_norm2", "k"]
     # block 0 fell back (its processor still fused), block 1's processor fell back (its block still fused)
     assert dict(calls) == {"modulate": 7, "qk_norm_rope": 1}

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, exact_run, reverted, run, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, exact_run, reverted, run, run_hooked, tiny  # noqa: E402
 from diffusers.models import attention, attention_processor, normalization  # noqa: E402,F401
 from torchpatches._harness import build_model, tiny_inputs  # noqa: E402
 from torchpatches.ops._tiers import force_tier  # noqa: E402
@@ -168,12 +168,7 @@ def test_forward_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
     block = model.transformer_blocks[0]
     hooks = [block.attn.norm_added_k.register_forward_hook(_spy(seen, "norm_added_k")),
              block.norm2.register_forward_hook(_spy(seen, "norm2"))]
-    try:
-        with force_tier("torch"):
-            out = run(model, inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    out = run_hooked(model, inputs, hooks, force_tier("torch"))
     assert torch.equal(out, ref)
     assert seen == {"norm_added_k": 1, "norm2": 1}
     # The hooked processor fell back (block 1's did not); block 0's norm2 ran as a module (residual only).

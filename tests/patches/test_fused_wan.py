@@ -17,7 +17,7 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, exact_run, reverted, run  # noqa: E402
+from _fused_models import DEVICE, FUSED, exact_run, reverted, run, run_hooked  # noqa: E402
 from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_wan  # noqa: E402
 from torchpatches.ops._tiers import force_tier  # noqa: E402
@@ -193,12 +193,7 @@ def test_forward_hooks_get_diffusers_code(calls: Dict[str, int]) -> None:
         second.norm2.register_forward_hook(lambda m, a, o: seen.update(["norm2"])),
         second.attn1.norm_q.register_forward_hook(lambda m, a, o: seen.update(["norm_q"])),
     ]
-    try:
-        with force_tier("torch"):
-            out = run(model, inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    out = run_hooked(model, inputs, hooks, force_tier("torch"))
     assert torch.equal(out, ref)
     assert seen == {"norm1": 1, "norm2": 1, "norm_q": 1}
     # Block 0 ran diffusers' forward (its processors stay fused); block 1 fused its glue, with norm2 called as
