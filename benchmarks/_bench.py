@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch  # noqa: E402
 
 __all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
-           "save_json", "compile_once", "command_line", "Clocks"]
+           "save_json", "compile_once", "command_line", "Clocks", "integer_rounding"]
 
 
 def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -199,7 +199,8 @@ def state(variant: str) -> Iterator[None]:
     """Put torchpatches into a variant's state for the block; the previous state afterwards.
 
     ``vanilla``: every patch reverted; ``all``: every patch applied (what ``import torchpatches`` gives);
-    ``-NAME``: every patch but NAME. A trailing ``+`` (a repeated measurement) is ignored."""
+    ``-NAME``: every patch but NAME; ``int-round``: ``all`` with the kernels' older integer rounding
+    (:func:`integer_rounding`). A trailing ``+`` (a repeated measurement) is ignored."""
     import torchpatches
 
     base = variant.rstrip("+")
@@ -210,11 +211,49 @@ def state(variant: str) -> Iterator[None]:
     torchpatches.apply()
     if base == "all":
         yield
+    elif base == "int-round":
+        with integer_rounding():
+            yield
     elif base.startswith("-"):
         with torchpatches.disabled(base[1:]):
             yield
     else:
         raise ValueError(f"unknown variant {variant!r}")
+
+
+#: The ops' modules whose ``kernel_for`` :func:`integer_rounding` swaps.
+TRITON_KERNEL_MODULES = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rows_triton",
+                         "_swiglu_triton")
+
+
+@contextlib.contextmanager
+def integer_rounding() -> Iterator[None]:
+    """The fused ops' compiled kernels rebuilt with the integer bf16 rounding their CPU interpreter uses (what
+    compiled kernels used before issue 17, round 4), for an A/B against the cast in one process."""
+    import importlib
+    import types
+
+    import triton
+
+    from torchpatches.ops import _triton_common
+
+    helper = triton.jit(_triton_common.ROUND_TO_PY)
+    swapped: Dict[Any, Any] = {}
+    for name in TRITON_KERNEL_MODULES:
+        module = importlib.import_module(f"torchpatches.ops.{name}")
+        fn = module.kernel_for("cuda").fn
+        scope = dict(fn.__globals__, _round_to=helper)
+        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__annotations__, copy.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
+        kernel = triton.jit(copy)
+        swapped[module] = module.kernel_for
+        module.kernel_for = lambda device_type, kernel=kernel, original=module.kernel_for: (
+            kernel if device_type == "cuda" else original(device_type))
+    try:
+        yield
+    finally:
+        for module, original in swapped.items():
+            module.kernel_for = original
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

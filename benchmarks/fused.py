@@ -17,14 +17,17 @@ and FLUX.2-dev shapes (4096 image + 512 text tokens, batch 1, bf16):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
-import math
 import statistics
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+
+import _bench
 
 SHAPES = {
     "flux1": dict(D=3072, H=24, Dh=128, S_img=4096, S_txt=512, mlp=12288),
@@ -281,7 +284,8 @@ def gelu_form(xin: torch.Tensor, w: torch.Tensor, b: torch.Tensor, fused: torch.
 
 
 def sweep(device: torch.device, gbps: float) -> List[Dict[str, Any]]:
-    """Launch-configuration sweep of the row kernels at FLUX widths (GPU us and % of the copy rate)."""
+    """Launch-configuration sweep of the modulate kernels at FLUX widths (GPU us and % of the copy rate), with
+    the kernels' cast rounding and with their former integer rounding."""
     from torchpatches.ops import _modulate_triton, modulate
 
     rows = []
@@ -290,15 +294,17 @@ def sweep(device: torch.device, gbps: float) -> List[Dict[str, Any]]:
         x, y = rnd(1, S, D, device=device), rnd(1, S, D, device=device)
         v = rnd(1, 3 * D, device=device, scale=0.5)
         sc, sh, g = v[:, :D], v[:, D:2 * D], v[:, 2 * D:]
-        for rows_per_prog, warps in ((1, 2), (1, 4), (1, 8), (2, 4), (2, 8), (4, 8), (4, 16)):
+        for rounding, warps, rows_per_prog in itertools.product(("cast", "int"), (2, 4, 8, 16), (1, 2)):
             _modulate_triton.CONFIG_OVERRIDE.update(num_warps=warps, ROWS=rows_per_prog)
             try:
-                lm = graph_us(lambda: modulate.layer_norm_modulate(x, sc, sh), device)
-                rm = graph_us(lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, sc, sh), device)
-                gr = graph_us(lambda: modulate.gate_residual(x, g, y), device)
+                with (_bench.integer_rounding() if rounding == "int" else contextlib.nullcontext()):
+                    lm = graph_us(lambda: modulate.layer_norm_modulate(x, sc, sh), device)
+                    rm = graph_us(lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, sc, sh), device)
+                    gr = graph_us(lambda: modulate.gate_residual(x, g, y), device)
             finally:
                 _modulate_triton.CONFIG_OVERRIDE.clear()
-            row = dict(D=D, rows=rows_per_prog, num_warps=warps, ln_mod_us=lm, ln_mod_pct=100 * 2 * S * D * 2 / (gbps * 1e3) / lm,
+            row = dict(D=D, rounding=rounding, rows=rows_per_prog, num_warps=warps, ln_mod_us=lm,
+                       ln_mod_pct=100 * 2 * S * D * 2 / (gbps * 1e3) / lm,
                        res_ln_mod_us=rm, res_ln_mod_pct=100 * 4 * S * D * 2 / (gbps * 1e3) / rm,
                        res_us=gr, res_pct=100 * 3 * S * D * 2 / (gbps * 1e3) / gr)
             rows.append(row)
@@ -322,6 +328,13 @@ def run_case(case: Dict[str, Any], model: str, device: torch.device, gbps: float
     with torchpatches.disabled():
         row["diffusers_us"] = graph_us(case["ref"], device)
     row["op_us"] = graph_us(case["op"], device)
+    if device.type == "cuda":  # A/B: the kernels' cast rounding against their former integer rounding
+        with _bench.integer_rounding():
+            poison(device)
+            older = as_list(case["op"]())
+            row["int_round_us"] = graph_us(case["op"], device)
+        row["int_round_differing"] = sum(int((a != b).sum()) - int((a.isnan() & b.isnan()).sum())
+                                         for a, b in zip(got, older))
     if "flops" in case:
         row["op_tflops"] = case["flops"] / row["op_us"] / 1e6
         row["diffusers_tflops"] = case["flops"] / row["diffusers_us"] / 1e6
@@ -370,7 +383,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(results, handle, indent=2)
     print(f"\ncopy rate {gbps:.0f} GB/s (read + write)")
     print(f"{'model':<6} {'op':<28} {'MB':>7} {'floor us':>9} {'diffusers us':>12} {'op us':>8} {'% copy':>7} "
-          f"{'identical':>9} {'differ':>7} {'max ulp':>8} {'NaN':>4}")
+          f"{'identical':>9} {'differ':>7} {'max ulp':>8} {'NaN':>4} {'int-round us':>12} {'int≠cast':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<6} {r['op']:<28} FAILED: {r['error'][:100]}")
@@ -381,11 +394,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"{r['model']:<6} {r['op']:<28} {r['bytes'] / 1e6:>7.1f} {r['floor_us']:>9.1f} {r['diffusers_us']:>12.1f} "
               f"{r['op_us']:>8.1f} {pct:>7.1f} {ident:>9.6f} {sum(c['differing'] for c in r['checks']):>7} "
               f"{worst['max_ulp']:>8.2f} "
-              f"{sum(c['nan'] for c in r['checks']):>4}")
+              f"{sum(c['nan'] for c in r['checks']):>4} {r.get('int_round_us', float('nan')):>12.1f} "
+              f"{r.get('int_round_differing', '-'):>8}")
         if "gelu_form" in r:
             print(f"       gelu form: {r['gelu_form']}")
     for r in results.get("sweep", []):
-        print(f"sweep D={r['D']} rows={r.get('rows', 1)} warps={r['num_warps']:>2}: ln_mod {r['ln_mod_us']:6.1f} us ({r['ln_mod_pct']:4.1f}%), "
+        print(f"sweep D={r['D']} {r.get('rounding', 'int'):<4} rows={r.get('rows', 1)} warps={r['num_warps']:>2}: ln_mod {r['ln_mod_us']:6.1f} us ({r['ln_mod_pct']:4.1f}%), "
               f"res+ln_mod {r['res_ln_mod_us']:6.1f} us ({r['res_ln_mod_pct']:4.1f}%), "
               f"res {r['res_us']:6.1f} us ({r['res_pct']:4.1f}%)")
     bad = [r for r in rows if "error" in r or any(c["nan"] > c["ref_nan"] for c in r["checks"])]

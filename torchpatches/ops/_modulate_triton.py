@@ -82,8 +82,9 @@ CONFIG_OVERRIDE: dict[str, Any] = {}
 
 
 def pick_config(block_d: int, interpreted: bool) -> dict[str, int]:
-    """Launch parameters. Measured on an H100 (benchmarks/NOTES-fused.md, run 2): one row per program
-    with 4 warps for 4096-wide blocks and 8 warps for 8192 beat 8/16 warps by 10-15%."""
+    """Launch parameters. Measured on an H100 (benchmarks/NOTES-fused.md, run 2; again with the cast
+    rounding, docs/fused.md "issue 17, round 4"): one row per program with 4 warps for 4096-wide blocks and
+    8 warps for 8192 are the fastest or within 1% of it."""
     if interpreted:
         cfg = dict(num_warps=1, ROWS=1)
     else:

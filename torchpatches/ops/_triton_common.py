@@ -2,9 +2,11 @@
 
 ``_round_to(x, KIND)`` rounds an fp32 value to bf16 (KIND 1) or fp16 (KIND 2) and returns it as
 fp32, so a kernel can round exactly where diffusers' eager code rounds (after every bf16 op) and go
-on computing. bf16 is rounded to nearest-even by integer arithmetic rather than by a cast: Triton's
-CPU interpreter casts fp32 -> bf16 by truncation, which would make CI disagree with the GPU; with
-this helper both round the same way and the final store's cast is exact.
+on computing. Two implementations, one rounding (to nearest, ties to even): compiled kernels cast
+(``cvt.rn.bf16.f32``, one instruction); the CPU interpreter's kernels round bf16 by integer
+arithmetic, because the interpreter casts fp32 -> bf16 by truncation, which would make CI disagree
+with the GPU. The integer form costs ~8 integer instructions per rounding; with four roundings per
+element it made the LayerNorm + modulate kernel compute-bound on an H100 (issue 17, round 4).
 
 ``interpreted(kernel_py, helpers)`` builds the interpreter version of a kernel whatever
 ``TRITON_INTERPRET`` said when triton was imported: the interpreter cannot call a compiled
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.runtime.jit import JITFunction
 
 from ._launch import launch as launch_kernel
 
@@ -29,7 +32,7 @@ from ._launch import launch as launch_kernel
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _round_to(x, KIND: tl.constexpr):
+def _round_to(x, KIND: tl.constexpr):  # the interpreter's: bf16 by integer arithmetic
     if KIND == 1:
         u = x.to(tl.uint32, bitcast=True)
         r = u + 0x7FFF + ((u >> 16) & 1)  # round half to even on the 16 bits that bf16 drops
@@ -39,6 +42,21 @@ def _round_to(x, KIND: tl.constexpr):
         return x.to(tl.float16).to(tl.float32)
     else:
         return x
+
+
+ROUND_TO_PY = _round_to
+
+
+def _round_to(x, KIND: tl.constexpr):  # compiled kernels': a cast rounds to nearest even (triton's default)
+    if KIND == 1:
+        return x.to(tl.bfloat16).to(tl.float32)
+    elif KIND == 2:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+ROUND_TO_COMPILED = _round_to
 
 
 def _rsqrt(x, LIBDEVICE: tl.constexpr):
@@ -66,19 +84,18 @@ def _mul_rn(x, y, LIBDEVICE: tl.constexpr):
         return x * y
 
 
-ROUND_TO_PY = _round_to
 RSQRT_PY = _rsqrt
 EXP_PY = _exp
 MUL_RN_PY = _mul_rn
-#: Every helper by its global name, for ``interpreted``.
-HELPERS_PY = {"_round_to": _round_to, "_rsqrt": _rsqrt, "_exp": _exp, "_mul_rn": _mul_rn}
+#: Every helper by its global name, for ``interpreted`` (the interpreter's own rounding).
+HELPERS_PY = {"_round_to": ROUND_TO_PY, "_rsqrt": _rsqrt, "_exp": _exp, "_mul_rn": _mul_rn}
 
 #: The combine function of ``tl.sum``. Kernels reduce with ``tl.reduce(x, axis, _sum_combine)``: the
 #: interpreter recognises it (a numpy sum), whereas ``tl.sum`` itself is a compiled ``@jit`` function
 #: that the interpreter cannot call unless TRITON_INTERPRET=1 was set before triton was imported.
 _sum_combine = tl.standard._sum_combine
 # Kernels call the helper by the global name ``_round_to``: def name and global must agree.
-_round_to = triton.jit(ROUND_TO_PY)
+_round_to = triton.jit(ROUND_TO_COMPILED)
 _rsqrt = triton.jit(RSQRT_PY)
 _exp = triton.jit(EXP_PY)
 _mul_rn = triton.jit(MUL_RN_PY)
@@ -100,9 +117,12 @@ def for_devices(kernel_py: Any) -> Callable[[str], Any]:
     first use, with the helpers interpreted too)."""
     compiled = triton.jit(kernel_py)
     interpreter = functools.lru_cache(maxsize=None)(lambda: interpreted(kernel_py, HELPERS_PY))
+    # TRITON_INTERPRET=1 at triton's import makes triton.jit interpret: CUDA tensors then take the
+    # interpreter's helpers too (its casts truncate).
+    interpret_all = not isinstance(compiled, JITFunction)
 
     def kernel_for(device_type: str) -> Any:
-        return compiled if device_type == "cuda" else interpreter()
+        return compiled if device_type == "cuda" and not interpret_all else interpreter()
 
     kernel_for.interpreted = interpreter  # type: ignore[attr-defined]
     return kernel_for
