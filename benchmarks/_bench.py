@@ -200,7 +200,8 @@ def state(variant: str) -> Iterator[None]:
 
     ``vanilla``: every patch reverted; ``all``: every patch applied (what ``import torchpatches`` gives);
     ``-NAME``: every patch but NAME; ``int-round``: ``all`` with the kernels' older integer rounding
-    (:func:`integer_rounding`). A trailing ``+`` (a repeated measurement) is ignored."""
+    (:func:`integer_rounding`); ``modulate:NAME``: ``all`` with a variant of the modulate kernel
+    (``modulate_variants.py``). A trailing ``+`` (a repeated measurement) is ignored."""
     import torchpatches
 
     base = variant.rstrip("+")
@@ -213,6 +214,11 @@ def state(variant: str) -> Iterator[None]:
         yield
     elif base == "int-round":
         with integer_rounding():
+            yield
+    elif base.startswith("modulate:"):
+        from modulate_variants import variant
+
+        with variant(base.split(":", 1)[1]):
             yield
     elif base.startswith("-"):
         with torchpatches.disabled(base[1:]):
