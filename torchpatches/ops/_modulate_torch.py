@@ -1,6 +1,7 @@
 """PyTorch tier of ``ops/modulate.py``: the models' own op sequences, so it rounds exactly where they do.
 
-``scale``, ``shift`` and ``gate`` are ``[B, S or 1, D]`` (the public API adds the token dim). ``once``:
+``scale``, ``shift`` and ``gate`` are ``[B, D]`` or ``[B, S or 1, D]`` (a ``[B, D]`` one gets its token dim
+here, as diffusers' ``[:, None]``). ``once``:
 Wan's form, fp32 compute rounded once to ``x``'s dtype (``.type_as``); else diffusers' FLUX form.
 """
 from __future__ import annotations
@@ -19,6 +20,10 @@ def layer_norm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tenso
 def gate_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, clip: bool) -> torch.Tensor:
     # diffusers: hidden_states = hidden_states + gate.unsqueeze(1) * attn_output (then fp16 clip)
     return _clip_fp16(residual + gate * y, clip)
+
+
+def _tokens(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return v[:, None] if v is not None and v.dim() == 2 else v
 
 
 def _clip_fp16(t: torch.Tensor, clip: bool) -> torch.Tensor:
@@ -44,6 +49,9 @@ def apply(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
     """(h, out) for the forms, as the Triton kernel computes them (the arguments of its ``launch``):
     ``y`` without ``gate`` is a plain residual add (Wan: ``hidden_states + attn_output``); ``affine``:
     ``scale``/``shift`` are a LayerNorm's weight and bias."""
+    gate = _tokens(gate)
+    if not affine:  # affine: scale and shift are the LayerNorm's [D] weight and bias
+        scale, shift = _tokens(scale), _tokens(shift)
     h = residual
     if gate is not None:
         h = _clip_fp16(_once(gate_residual, residual, gate, y, clip=False), clip) if once else \

@@ -55,15 +55,16 @@ ROUNDINGS = ("each", "once")
 
 
 def _vector(t: Optional[torch.Tensor], name: str, ref: torch.Tensor, once: bool) -> Optional[torch.Tensor]:
-    """[B, D] -> [B, 1, D]; [B, 1 or S, D] as is; ValueError for anything else."""
+    """[B, D], [B, 1, D] or [B, S, D] as is (both tiers broadcast a [B, D] vector over the tokens; no
+    ``unsqueeze`` view per call: host time); ValueError for anything else."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     B, S, D = ref.shape
-    if t.dim() == 2:
-        t = t.unsqueeze(1)
-    if t.dim() != 3 or t.shape[0] != B or t.shape[2] != D or t.shape[1] not in (1, S):
+    shape = t.shape
+    if not (len(shape) == 2 and shape[0] == B and shape[1] == D) and (
+            len(shape) != 3 or shape[0] != B or shape[2] != D or shape[1] not in (1, S)):
         raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, S, D] for input {tuple(ref.shape)}, "
                          f"got {tuple(t.shape)}")
     if t.device != ref.device or (t.dtype not in FLOAT_DTYPES if once else t.dtype != ref.dtype):

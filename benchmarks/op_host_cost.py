@@ -1,0 +1,127 @@
+"""Host microseconds of one fused-op call, layer by layer, against plain torch calls on the same host.
+
+For ``ops.modulate.layer_norm_modulate`` at a tiny shape (the kernel takes a few microseconds on the GPU, so
+a batch's wall time is host time): the public entry (argument checks, tier choice, output allocation, the
+Triton launch through ``ops._launch``), the Triton tier's ``launch`` called directly with prepared tensors,
+``torch.empty`` of the output and ``x + 1`` for scale; medians of ``--repeats`` batches of ``--batch`` calls.
+Then cProfile over ``--profile-calls`` entry calls: the top functions by self time, per call.
+
+``--python-only`` (any machine, no GPU): the same calls on CPU tensors with the Triton tier forced and the
+kernel launch replaced by a no-op, so what is timed is the Python from the entry to the launch (and a CPU
+``torch.empty``); best of repeats, for A/B of two trees on a quiet machine (``PYTHONPATH=TREE``).
+
+    python benchmarks/op_host_cost.py [--json out.json]      # GPU
+    python benchmarks/op_host_cost.py --python-only          # CPU
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+
+def batch_us(fn: Callable[[], Any], batch: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        times.append((time.perf_counter() - t0) / batch * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def python_only(repeats: int) -> List[Dict[str, Any]]:
+    """Best-of-``repeats`` microseconds of each modulate entry's Python (CPU tensors, launch stubbed)."""
+    import timeit
+
+    from torchpatches.ops import _modulate_triton, modulate
+    from torchpatches.ops._tiers import force_tier
+
+    x, y = torch.randn(1, 16, 64, dtype=torch.bfloat16), torch.randn(1, 16, 64, dtype=torch.bfloat16)
+    v, g = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
+    calls: Dict[str, Callable[[], Any]] = {
+        "layer_norm_modulate ([B, D] vectors)": lambda: modulate.layer_norm_modulate(x, v, v),
+        "gate_residual_layer_norm_modulate": lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, v, v),
+        "gate_residual": lambda: modulate.gate_residual(x, g, y),
+    }
+    launch, rows = _modulate_triton.launch_kernel, []
+    _modulate_triton.launch_kernel = lambda *args, **kwargs: None
+    try:
+        with force_tier("triton"):
+            for name, fn in calls.items():
+                fn()
+                best = min(timeit.repeat(fn, number=3000, repeat=repeats)) / 3000 * 1e6
+                rows.append(dict(call=name, host_us=best))
+    finally:
+        _modulate_triton.launch_kernel = launch
+    return rows
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--profile-calls", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--python-only", action="store_true", help="CPU: the entries' Python, launch stubbed")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if args.python_only:
+        rows = python_only(max(args.repeats, 9))
+        print("Python from the entry to the launch (CPU tensors, Triton tier forced, launch stubbed), best us:")
+        for r in rows:
+            print(f"  {r['call']:<52}{r['host_us']:>9.2f}")
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(dict(machine="cpu", torch=torch.__version__, rows=rows), handle, indent=2)
+        return 0
+    from torchpatches.ops import _modulate_triton, modulate
+
+    x = torch.randn(1, 16, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)  # [B, D], as FLUX's adaLN chunks are
+    v3, out = v.unsqueeze(1), torch.empty_like(x)
+    calls: Dict[str, Callable[[], Any]] = {
+        "ops.modulate.layer_norm_modulate (public entry)": lambda: modulate.layer_norm_modulate(x, v, v),
+        "_modulate_triton.launch (kernel tier, prepared)": lambda: _modulate_triton.launch(
+            x, None, None, v3, v3, None, out, eps=1e-6, clip=False),
+        "torch.empty (the output)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        "x + 1 (one torch op)": lambda: x + 1,
+    }
+    for fn in calls.values():
+        fn()
+    rows = [dict(call=name, host_us=batch_us(fn, args.batch, args.repeats)) for name, fn in calls.items()]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.profile_calls):
+        modulate.layer_norm_modulate(x, v, v)
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    top = sorted(((tt * 1e6 / args.profile_calls, nc / args.profile_calls, ct * 1e6 / args.profile_calls,
+                   f"{fn.rsplit('site-packages/', 1)[-1]}:{line} {name}")
+                  for (fn, line, name), (_, nc, tt, ct, _) in stats.items()), reverse=True)[:args.top]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call, median of "
+          f"{args.repeats} batches of {args.batch}")
+    for r in rows:
+        print(f"  {r['call']:<52}{r['host_us']:>9.1f}")
+    print(f"\ncProfile, {args.profile_calls} public-entry calls; per call: self us, calls, cumulative us")
+    for self_us, ncalls, cum_us, where in top:
+        print(f"  {self_us:8.2f}{ncalls:6.1f}{cum_us:9.2f}  {where[:110]}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows, top=top), handle,
+                      indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
