@@ -38,8 +38,10 @@ GROUPS = (("torchpatches", "/torchpatches/"), ("diffusers", "/diffusers/"), ("to
 def group_of(filename: str) -> str:
     if filename == "~":  # a C function: cProfile names it "<built-in method ...>" / "<method ... of ... objects>"
         return "C calls"
+    # Match inside the environment only: a venv under /opt/torch/ would put every package in "torch other".
+    inside = "/" + filename.replace(os.sep, "/").rsplit("site-packages/", 1)[-1]
     for label, part in GROUPS:
-        if part in filename.replace(os.sep, "/"):
+        if part in inside:
             return label
     return "other Python"
 

@@ -50,10 +50,12 @@ def _recording(log: List[tuple]) -> Iterator[None]:
 
     saved = {cls: cls.__dict__.get("__getitem__") for cls in (JITFunction, InterpretedFunction)}
     saved_site = _launch._site_for
+    saved_sites = dict(_launch._SITES)  # launch() finds a kernel's site here before it asks _site_for
     try:
         for cls in saved:
             cls.__getitem__ = getitem
         _launch._site_for = lambda kernel: None
+        _launch._SITES.clear()
         yield
     finally:
         for cls, fn in saved.items():
@@ -62,6 +64,8 @@ def _recording(log: List[tuple]) -> Iterator[None]:
             else:
                 cls.__getitem__ = fn
         _launch._site_for = saved_site
+        _launch._SITES.clear()
+        _launch._SITES.update(saved_sites)
 
 
 def capture(call: Callable[[], Any]) -> Tuple[Any, tuple, tuple, dict]:
