@@ -60,3 +60,15 @@ def test_round_to_is_torchs_rounding(device: str, dtype: torch.dtype) -> None:
     same = (out.view(torch.int32) == ref.view(torch.int32)) | (out.isnan() & ref.isnan())
     bad = (~same).nonzero().flatten()[:5].tolist()
     assert not bad, [(hex(int(x.view(torch.int32)[i]) & 0xFFFFFFFF), float(out[i]), float(ref[i])) for i in bad]
+
+
+def test_interpreting_triton_gives_cuda_tensors_the_interpreters_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TRITON_INTERPRET=1 at triton's import, ``triton.jit`` interprets: a CUDA tensor must then get the
+    interpreter's kernel (integer rounding), not the compiled kernel's cast, which the interpreter truncates."""
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setattr(triton, "jit", lambda fn: InterpretedFunction(fn))
+    interpreting = _triton_common.for_devices(_round_kernel)
+    assert interpreting("cuda") is interpreting.interpreted()
+    assert kernel_for("cuda") is not kernel_for.interpreted()  # compiled where triton compiles

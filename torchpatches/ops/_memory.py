@@ -12,6 +12,8 @@ job and FakeTensors have no addresses; functorch's wrapped tensors (vmap, grad, 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .._compat import is_compiling

@@ -49,7 +49,7 @@ When to delete
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from torchpatches._declare import Patch, Target
 
