@@ -133,6 +133,27 @@ def test_outputs_are_fully_written() -> None:
     assert torch.isfinite(h).all() and torch.isfinite(out).all()
 
 
+@needs_triton
+def test_launch_constants_cached_per_form_and_a_config_override_read_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton tier builds a form's constexprs once; a benchmark's ``CONFIG_OVERRIDE`` still applies at once
+    (never cached), and two rows per program give the same output."""
+    from torchpatches.ops import _modulate_triton
+
+    x, scale, shift = torch.randn(2, 5, 16), torch.randn(2, 16), torch.randn(2, 16)
+    seen = []
+    real = _modulate_triton.launch_kernel
+    monkeypatch.setattr(_modulate_triton, "launch_kernel",
+                        lambda kernel, grid, args, constexprs: (seen.append((grid, dict(constexprs))),
+                                                                real(kernel, grid, args, constexprs)))
+    one = modulate.layer_norm_modulate(x, scale, shift, tier="triton")
+    again = modulate.layer_norm_modulate(x, scale, shift, tier="triton")
+    monkeypatch.setitem(_modulate_triton.CONFIG_OVERRIDE, "ROWS", 2)
+    two = modulate.layer_norm_modulate(x, scale, shift, tier="triton")
+    assert [g for g, _ in seen] == [(10,), (10,), (5,)]
+    assert [c["ROWS"] for _, c in seen] == [1, 1, 2]
+    assert torch.equal(one, again) and torch.equal(one, two)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
