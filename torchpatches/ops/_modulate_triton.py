@@ -109,10 +109,11 @@ def _rows(t: Optional[torch.Tensor]) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bool, has_res: bool, has_norm: bool,
-                      clip: bool, once: bool, affine: bool) -> tuple[int, Mapping[str, Any]]:
-    """(rows per program, the kernel's constexprs and launch options) of one form: built once, not per call."""
+                      clip: bool, once: bool, affine: bool) -> Mapping[str, Any]:
+    """The kernel's constexprs and launch options (``ROWS``: rows per program) of one form: built once, not per
+    call."""
     cfg = pick_config(block_d, not cuda)
-    return int(cfg["ROWS"]), types.MappingProxyType(dict(
+    return types.MappingProxyType(dict(
         BLOCK_D=block_d, ROWS=int(cfg["ROWS"]), KIND=KINDS[dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and dtype == torch.float16), LIBDEVICE=cuda, MID=0 if once else KINDS[dtype],
         num_warps=int(cfg["num_warps"]), PLAIN=has_res and not has_gate, AFFINE=affine, HAS_RES=has_res,
@@ -145,14 +146,14 @@ def launch(
     cuda = residual.device.type == "cuda"
     key = (next_pow2(D), residual.dtype, cuda, has_gate, has_res, has_norm, bool(clip), bool(once), bool(affine))
     # A benchmark's CONFIG_OVERRIDE is read on every call (never cached).
-    rows, constexprs = _launch_constants.__wrapped__(*key) if CONFIG_OVERRIDE else _launch_constants(*key)
+    constexprs = _launch_constants.__wrapped__(*key) if CONFIG_OVERRIDE else _launch_constants(*key)
     dummy = residual
     h = h_out if h_out is not None else n_out
     o = n_out if n_out is not None else h_out
     r_sb, r_ss = residual.stride()[:2]
     h_sb, h_ss = h.stride()[:2]
     o_sb, o_ss = o.stride()[:2]
-    launch_kernel(kernel_for(residual.device.type), (-(-(B * S) // rows),), (
+    launch_kernel(kernel_for(residual.device.type), (-(-(B * S) // constexprs["ROWS"]),), (
         residual, gate if has_gate else dummy, y if has_res else dummy,
         scale if has_norm else dummy, shift if has_norm else dummy, h, o,
         B * S, S, D, float(eps),
