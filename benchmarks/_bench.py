@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch  # noqa: E402
 
 __all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
-           "save_json", "compile_once", "command_line", "Clocks", "integer_rounding"]
+           "save_json", "compile_once", "command_line", "Clocks", "integer_rounding", "cuda_kernel", "host_us_per_call"]
 
 
 def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -244,22 +244,46 @@ def integer_rounding() -> Iterator[None]:
     from torchpatches.ops import _triton_common
 
     helper = triton.jit(_triton_common.ROUND_TO_PY)
-    swapped: Dict[Any, Any] = {}
+    kernels: Dict[Any, Any] = {}
     for name in TRITON_KERNEL_MODULES:
         module = importlib.import_module(f"torchpatches.ops.{name}")
         fn = module.kernel_for("cuda").fn
         scope = dict(fn.__globals__, _round_to=helper)
         copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
         copy.__annotations__, copy.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
-        kernel = triton.jit(copy)
-        swapped[module] = module.kernel_for
-        module.kernel_for = lambda device_type, kernel=kernel, original=module.kernel_for: (
-            kernel if device_type == "cuda" else original(device_type))
+        kernels[module] = triton.jit(copy)
+    with contextlib.ExitStack() as stack:
+        for module, kernel in kernels.items():
+            stack.enter_context(cuda_kernel(module, kernel))
+        yield
+
+
+@contextlib.contextmanager
+def cuda_kernel(module: Any, kernel: Any) -> Iterator[None]:
+    """``kernel`` as the CUDA kernel of an ops module's ``kernel_for`` for the block (CPU tensors keep the
+    interpreter's)."""
+    original = module.kernel_for
+    module.kernel_for = lambda device_type: kernel if device_type == "cuda" else original(device_type)
     try:
         yield
     finally:
-        for module, original in swapped.items():
-            module.kernel_for = original
+        module.kernel_for = original
+
+
+def host_us_per_call(fn: Callable[[], Any], batch: int, repeats: int, sync: Callable[[], Any]) -> float:
+    """Median wall microseconds per call over ``repeats`` batches of ``batch`` calls, ``sync`` before each batch
+    (after three untimed calls). With calls whose kernels finish at once, a batch's wall time is host time."""
+    for _ in range(3):
+        fn()
+    per: List[float] = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        per.append((time.perf_counter() - t0) / batch * 1e6)
+    sync()
+    return statistics.median(per)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -25,13 +25,13 @@ import argparse
 import contextlib
 import json
 import platform
-import statistics
 import sys
-import time
 import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
+
+from _bench import host_us_per_call
 
 # ----------------------------------------------------------------------------------- capture
 
@@ -190,22 +190,6 @@ def check_case(name: str, device: str, dtype: torch.dtype) -> Dict[str, Any]:
 # -------------------------------------------------------------------------------------- timing
 
 
-def _time_batches(fn: Callable[[], None], batch: int, repeats: int, sync: Callable[[], None]) -> float:
-    """Median wall microseconds per call over ``repeats`` batches of ``batch`` calls (synced between)."""
-    for _ in range(3):
-        fn()
-    sync()
-    per: List[float] = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        per.append((time.perf_counter() - t0) / batch * 1e6)
-    sync()
-    return statistics.median(per)
-
-
 def _python_only(site: Any, fn: Callable[[], None], batch: int, repeats: int) -> float:
     """``launch``'s own time: the same calls with every cached launcher replaced by a no-op."""
     saved = []
@@ -215,7 +199,7 @@ def _python_only(site: Any, fn: Callable[[], None], batch: int, repeats: int) ->
             for key, entry in pat.exact.items():
                 pat.exact[key] = (lambda *a: None,) + entry[1:]
     try:
-        return _time_batches(fn, batch, repeats, lambda: None)
+        return host_us_per_call(fn, batch, repeats, lambda: None)
     finally:
         for pat, exact in saved:
             pat.exact.update(exact)
@@ -230,19 +214,19 @@ def time_case(name: str, device: str, dtype: torch.dtype, batch: int, repeats: i
         kernel, grid, args, kw = capture(call)
         row["n_args"], row["grid"] = len(args), list(grid)
         sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-        row["kernel[grid] us"] = _time_batches(lambda: kernel[grid](*args, **kw), batch, repeats, sync)
-        row["launch us"] = _time_batches(lambda: _launch.launch(kernel, grid, args, kw), batch, repeats, sync)
+        row["kernel[grid] us"] = host_us_per_call(lambda: kernel[grid](*args, **kw), batch, repeats, sync)
+        row["launch us"] = host_us_per_call(lambda: _launch.launch(kernel, grid, args, kw), batch, repeats, sync)
         site = _launch._SITES.get(id(kernel))
         entries = [e for p in getattr(site, "patterns", {}).values() if p is not None for e in p.exact.values()]
         if entries and device != "cpu":
             launcher, function, metadata, tail, _ = entries[-1]
             stream = torch.cuda.current_stream().cuda_stream
             g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-            row["launcher only us"] = _time_batches(
+            row["launcher only us"] = host_us_per_call(
                 lambda: launcher(*g, stream, function, metadata, None, None, None, *args, *tail), batch, repeats, sync)
             row["python us"] = _python_only(site, lambda: _launch.launch(kernel, grid, args, kw), batch, repeats)
             pat = site.last
-            row["key us"] = _time_batches(lambda: pat.exact_key(*args), batch, repeats, lambda: None)
+            row["key us"] = host_us_per_call(lambda: pat.exact_key(*args), batch, repeats, lambda: None)
         row["speedup"] = row["kernel[grid] us"] / row["launch us"]
         row["info"] = _launch.info(kernel)
     except Exception as e:

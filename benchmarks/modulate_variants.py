@@ -82,15 +82,14 @@ def build(name: str, workdir: Path) -> Any:
 @contextlib.contextmanager
 def kernel(compiled: Any, warps: Optional[int] = None, rows: Optional[int] = None) -> Iterator[None]:
     """``compiled`` as the op's CUDA kernel (and a launch configuration, else the package's) for the block."""
+    from _bench import cuda_kernel
     from torchpatches.ops import _modulate_triton
 
-    original = _modulate_triton.kernel_for
-    _modulate_triton.kernel_for = lambda device_type: compiled if device_type == "cuda" else original(device_type)
     _modulate_triton.CONFIG_OVERRIDE.update({k: v for k, v in (("num_warps", warps), ("ROWS", rows)) if v})
     try:
-        yield
+        with cuda_kernel(_modulate_triton, compiled):
+            yield
     finally:
-        _modulate_triton.kernel_for = original
         _modulate_triton.CONFIG_OVERRIDE.clear()
 
 

@@ -19,24 +19,12 @@ import argparse
 import cProfile
 import json
 import pstats
-import statistics
 import sys
-import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-
-def batch_us(fn: Callable[[], Any], batch: int, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(batch):
-            fn()
-        times.append((time.perf_counter() - t0) / batch * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+from _bench import host_us_per_call
 
 
 def python_only(repeats: int) -> List[Dict[str, Any]]:
@@ -98,7 +86,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     }
     for fn in calls.values():
         fn()
-    rows = [dict(call=name, host_us=batch_us(fn, args.batch, args.repeats)) for name, fn in calls.items()]
+    rows = [dict(call=name, host_us=host_us_per_call(fn, args.batch, args.repeats, torch.cuda.synchronize))
+            for name, fn in calls.items()]
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.profile_calls):
