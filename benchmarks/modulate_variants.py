@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from fused import copy_rate, graph_us, rnd
+from fused import as_list, copy_rate, graph_us, rnd
 
 _LOAD_X = "x = tl.load(res_ptr + (b * r_sb + s * r_ss)[:, None] + d[None, :], mask=m, other=0.0)"
 _VECTORS = (
@@ -122,12 +122,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "res_ln_mod": (lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, sc, sh), 4),
                 "res": (lambda: modulate.gate_residual(x, g, y), 3),
             }
-            reference = {op: [t.clone() for t in _tensors(fn())] for op, (fn, _) in ops.items()}
+            reference = {op: [t.clone() for t in as_list(fn())] for op, (fn, _) in ops.items()}
             for (name, compiled), warps, rows in itertools.product(kernels.items(), (4, 8), (1, 2)):
                 row: Dict[str, Any] = dict(D=D, variant=name, num_warps=warps, rows=rows)
                 with kernel(compiled, warps, rows):
                     for op, (fn, passes) in ops.items():
-                        same = all(torch.equal(a, b) for a, b in zip(_tensors(fn()), reference[op]))
+                        same = all(torch.equal(a, b) for a, b in zip(as_list(fn()), reference[op]))
                         us = graph_us(fn, device)
                         row[op] = dict(us=us, pct=100 * passes * S * D * 2 / (gbps * 1e3) / us, same=same)
                 results.append(row)
@@ -142,10 +142,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         Path(args.json).write_text(json.dumps(dict(copy_GBps=gbps, device=torch.cuda.get_device_name(),
                                                    torch=torch.__version__, rows=results), indent=2))
     return 0
-
-
-def _tensors(result: Any) -> List[torch.Tensor]:
-    return [t for t in (result if isinstance(result, (tuple, list)) else [result]) if isinstance(t, torch.Tensor)]
 
 
 if __name__ == "__main__":
