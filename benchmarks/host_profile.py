@@ -10,6 +10,11 @@ call, so its total exceeds the unprofiled host time; the split between groups is
     python benchmarks/host_profile.py --models flux2 --json host.json                 # GPU
     python benchmarks/host_profile.py --models flux1 --layers flux1=19+38 --top 30
     python benchmarks/host_profile.py --tiny --models flux1                           # CPU smoke test
+    python benchmarks/host_profile.py --stub-kernels --models flux1 --layers flux1=19+38  # CPU: the fused path
+
+``--stub-kernels`` (CPU, no GPU): the tiny configs in bf16 with the Triton tier forced and every kernel launch
+replaced by a no-op, so the fused path runs the same Python as on a GPU (minus ``ops._launch``'s cached launch
+and triton's launcher); its function calls per step are a host-independent measure of that Python.
 """
 from __future__ import annotations
 
@@ -74,6 +79,23 @@ def profile_steps(step: Any, device: torch.device, steps: int, top: int) -> Dict
             "top": rows[:top]}
 
 
+@contextlib.contextmanager
+def stubbed_launches() -> Any:
+    """Every torchpatches kernel launch is a no-op (each ops module binds ``_launch.launch`` at import)."""
+    import importlib
+
+    names = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rope_triton", "_triton_common")
+    modules = [importlib.import_module(f"torchpatches.ops.{name}") for name in names]
+    saved = [m.launch_kernel for m in modules]
+    for m in modules:
+        m.launch_kernel = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for m, launch in zip(modules, saved):
+            m.launch_kernel = launch
+
+
 def report(name: str, variant: str, result: Dict[str, Any]) -> None:
     print(f"\n[{name}] {variant}: host {result['host_ms']:.1f} ms per step unprofiled; under cProfile "
           f"{result['profiled_ms']:.1f} ms, {result['python_calls_per_step']:.0f} function calls per step")
@@ -92,16 +114,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--tiny", action="store_true", help="the harness's tiny configs on the CPU (PyTorch tiers)")
+    parser.add_argument("--stub-kernels", action="store_true",
+                        help="CPU: tiny configs in bf16, Triton tier forced, kernel launches stubbed")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    args.tiny = args.tiny or args.stub_kernels
     opts = dit.parse(["--models", args.models] + (["--layers", args.layers] if args.layers else [])
                      + (["--tiny"] if args.tiny else []))
     device = torch.device("cpu" if args.tiny else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
+    dtype = torch.float32 if args.tiny and not args.stub_kernels else torch.bfloat16
     results: Dict[str, Any] = {"versions": _bench.versions(), "command": _bench.command_line(argv), "models": {}}
     from torchpatches.ops._tiers import force_tier
 
-    with force_tier("torch") if args.tiny else contextlib.nullcontext():
+    tier = "triton" if args.stub_kernels else "torch" if args.tiny else None
+    with force_tier(tier), stubbed_launches() if args.stub_kernels else contextlib.nullcontext():
         for name in opts.models:
             model, feed, _, config = dit.load(name, opts, device, dtype)
             step = functools.partial(model, **feed)

@@ -36,10 +36,17 @@ def python_only(repeats: int) -> List[Dict[str, Any]]:
 
     x, y = torch.randn(1, 16, 64, dtype=torch.bfloat16), torch.randn(1, 16, 64, dtype=torch.bfloat16)
     v, g = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
+    from torchpatches.patches import _modulate_calls as helpers
+
+    norm = torch.nn.LayerNorm(64, elementwise_affine=False, eps=1e-6)
     calls: Dict[str, Callable[[], Any]] = {
         "layer_norm_modulate ([B, D] vectors)": lambda: modulate.layer_norm_modulate(x, v, v),
         "gate_residual_layer_norm_modulate": lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, v, v),
         "gate_residual": lambda: modulate.gate_residual(x, g, y),
+        # What the adaln / gate_residual patterns call: their own checks, then the op.
+        "patterns: modulated (adaln)": lambda: helpers.modulated(norm, x, v, v, fuse=True),
+        "patterns: residual_modulated": lambda: helpers.residual_modulated(norm, x, g, y, v, v, fuse=True),
+        "patterns: residual": lambda: helpers.residual(x, g, y, clip=False),
     }
     launch, rows = _modulate_triton.launch_kernel, []
     _modulate_triton.launch_kernel = lambda *args, **kwargs: None

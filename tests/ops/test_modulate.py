@@ -241,3 +241,51 @@ def test_torch_tier_is_wans_expression(dtype: torch.dtype) -> None:
     norm3 = torch.nn.LayerNorm(24, eps=1e-6, elementwise_affine=False)
     assert torch.equal(got_h, h + y)
     assert torch.equal(got, (norm3((h + y).float()) * (1 + scale) + shift).type_as(h))
+
+
+def _transposed(v: torch.Tensor) -> torch.Tensor:
+    """The same values with a last dim that is not unit-stride (when it has more than one element)."""
+    return v.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+@needs_triton
+@settings(**hyp(12))
+@given(cases(), st.sampled_from(["each", "once"]), st.sampled_from(["triton", "torch"]), st.booleans())
+def test_prechecked_is_the_public_ops(case: Dict[str, Any], rounding: str, tier: str, transposed: bool) -> None:
+    """The patterns' entry without the checks gives each public entry's result bit for bit, in each tier, for
+    every form it takes (norm only, gated residual, both, plain residual + norm), with inputs that are not
+    unit-stride made so as the public entries make them."""
+    x, y, gate, scale, shift, eps = (case[k] for k in ("x", "y", "gate", "scale", "shift", "eps"))
+    if rounding == "once":
+        gate, scale, shift = (t.float() for t in (gate, scale, shift))
+    if transposed:
+        gate, scale, shift = (_transposed(t) for t in (gate, scale, shift))
+    once = rounding == "once"
+    with modulate.force_tier(tier):
+        pairs = [
+            (modulate.prechecked(x, None, None, scale, shift, eps, once=once),
+             [modulate.layer_norm_modulate(x, scale, shift, eps=eps, rounding=rounding)]),
+            (modulate.prechecked(x, gate, y, None, None, None, clip=True, once=once),
+             [modulate.gate_residual(x, gate, y, clip_fp16=True, rounding=rounding)]),
+            (modulate.prechecked(x, gate, y, scale, shift, eps, once=once),
+             modulate.gate_residual_layer_norm_modulate(x, gate, y, scale, shift, eps=eps, rounding=rounding)),
+            (modulate.prechecked(x, None, y, scale, shift, eps, once=once),
+             modulate.residual_layer_norm_modulate(x, y, scale, shift, eps=eps, rounding=rounding)),
+        ]
+    for got, want in pairs:
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.is_contiguous() and torch.equal(g, w)
+
+
+def test_prechecked_records_autograd_in_the_pytorch_tier() -> None:
+    """Grad mode with a vector that requires grad: the PyTorch tier, recorded, with the public entry's gradient."""
+    x = torch.randn(2, 3, 8)
+    scale = torch.randn(2, 8, requires_grad=True)
+    shift = torch.randn(2, 8)
+    got, = modulate.prechecked(x, None, None, scale, shift, 1e-6)
+    want = modulate.layer_norm_modulate(x, scale, shift)
+    assert got.grad_fn is not None and torch.equal(got, want)
+    (g_got,) = torch.autograd.grad(got.sum(), scale)
+    (g_want,) = torch.autograd.grad(want.sum(), scale)
+    assert torch.equal(g_got, g_want)

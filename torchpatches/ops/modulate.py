@@ -40,7 +40,7 @@ for every call autograd records (the kernel has no backward; ``tier="triton"`` t
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -110,12 +110,25 @@ def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
     if tier == "torch":
         h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine)
     else:
+        # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time (its arguments are parsed in C++)
+        h = torch.empty_like(residual, memory_format=torch.contiguous_format) if y is not None else None
+        out = torch.empty_like(residual, memory_format=torch.contiguous_format) if scale is not None else None
+        _triton_tier().launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine)
+    return [t for t in (h, out) if t is not None]
+
+
+_triton: Any = None
+
+
+def _triton_tier() -> Any:
+    """``_modulate_triton``, imported at the first Triton call (it imports triton); a global read after that,
+    not an ``import`` statement per call."""
+    global _triton
+    if _triton is None:
         from . import _modulate_triton
 
-        h = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if y is not None else None
-        out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device) if scale is not None else None
-        _modulate_triton.launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine)
-    return [t for t in (h, out) if t is not None]
+        _triton = _modulate_triton
+    return _triton
 
 
 @torch.library.custom_op("torchpatches::modulate", mutates_args=())
@@ -148,6 +161,34 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affi
     chosen = choose_tier(residual.device.type, tier, grad)
     return _dispatch.run(residual, grad, _impl, _modulate_op, residual, gate, y, scale, shift,
                          float(eps or 0.0), bool(clip), once, chosen, bool(affine))
+
+
+def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
+               scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, *, clip: bool = False,
+               once: bool = False) -> list[torch.Tensor]:
+    """The op (``[h]``, ``[out]`` or ``[h, out]``, as :func:`_impl`) for a caller that has already checked what the
+    public entries check: the fusion patterns (``patches/_modulate_calls``), which test the same conditions before
+    they choose the fused path. Skipped: the argument checks (plain ``torch.Tensor``s of a served dtype on one
+    device, ``[B, S, D]`` rows, vectors of a shape and dtype that fit, ``eps`` a number, no ``gate`` without ``y``),
+    the ``torch.jit.trace`` / torch.compile / functorch handling (the patterns step aside for all of them) -- tens
+    of microseconds of host time per call on a slow host, 191 calls per FLUX.1 step. Kept: everything that decides
+    the result without costing much: unit-stride copies, a forced tier, the PyTorch tier when autograd records.
+    Not the affine form. Wrong arguments here are the caller's bug: they may fail inside the kernel."""
+    # Unit-stride rows, as _prepare makes them; written out: five calls of a helper cost more than the rest here.
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    if y is not None and y.stride(-1) != 1:
+        y = y.contiguous()
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    if scale is not None and scale.stride(-1) != 1:
+        scale = scale.contiguous()
+    if shift is not None and shift.stride(-1) != 1:
+        shift = shift.contiguous()
+    # Inference runs without grad mode: then nothing else is read.
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (residual, gate, y, scale, shift))
+    tier = choose_tier(residual.device.type, None, grad)
+    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier)
 
 
 def layer_norm_modulate(

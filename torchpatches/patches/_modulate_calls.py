@@ -4,6 +4,10 @@ Each helper takes the vectors as diffusers holds them (``[B, D]`` chunks in FLUX
 FLUX.2, ``[B, S, D]`` in FLUX.2's KV-cache blend) and runs the fused op when every tensor fits
 (same dtype and device as ``x``, plain tensors), else exactly the expression diffusers evaluates.
 ``modulated_once`` is the other rounding mode: Wan's fp32 compute, rounded once (``.type_as``).
+
+What the helpers check before they fuse is everything the op's public entries check (with ``fusable`` and
+``steps_aside`` in the pattern that calls them), so they call ``ops.modulate.prechecked``, which skips the
+second round of checks (host time: 191 calls per FLUX.1 step).
 """
 from __future__ import annotations
 
@@ -12,7 +16,12 @@ from typing import Any, Optional
 import torch
 
 from ..ops._tiers import FLOAT_DTYPES
-from ._fused_common import pattern_on, plain_layer_norm, tensors_fit
+from ._fused_common import pattern_on, plain_layer_norm
+
+
+def _rows_fit(h: torch.Tensor, y: Any) -> bool:
+    """``y`` is a plain tensor of ``h``'s shape, dtype and device (a residual branch's output)."""
+    return type(y) is torch.Tensor and y.shape == h.shape and y.dtype == h.dtype and y.device == h.device
 
 
 def _token_dim(v: torch.Tensor) -> torch.Tensor:
@@ -20,50 +29,58 @@ def _token_dim(v: torch.Tensor) -> torch.Tensor:
 
 
 def _vectors_fit(x: torch.Tensor, *vectors: Optional[torch.Tensor], rounding: str = "each") -> bool:
-    if rounding == "once":  # fp32 compute: vectors of any float dtype (Wan's fp32 scale_shift_table)
-        if not all(v is None or (type(v) is torch.Tensor and v.dtype in FLOAT_DTYPES and v.device == x.device)
-                   for v in vectors):
-            return False
-    elif not tensors_fit(*vectors, dtype=x.dtype, device=x.device):
+    """``x`` is a plain float ``[B, S, D]`` tensor and each vector fits it: a plain tensor (not None) on its
+    device, of its dtype (any float dtype with ``rounding="once"``), ``[B, D]``, ``[B, 1, D]`` or ``[B, S, D]``."""
+    if type(x) is not torch.Tensor or x.dtype not in FLOAT_DTYPES or x.dim() != 3:
         return False
     B, S, D = x.shape
+    once = rounding == "once"  # fp32 compute: vectors of any float dtype (Wan's fp32 scale_shift_table)
     for v in vectors:
-        if v is None:
-            continue
-        if v.dim() == 2:
-            if v.shape != (B, D):
+        if type(v) is not torch.Tensor or v.device != x.device or (
+                v.dtype not in FLOAT_DTYPES if once else v.dtype != x.dtype):
+            return False
+        shape = v.shape
+        if len(shape) == 2:
+            if shape[0] != B or shape[1] != D:
                 return False
-        elif v.dim() != 3 or v.shape[0] != B or v.shape[2] != D or v.shape[1] not in (1, S):
+        elif len(shape) != 3 or shape[0] != B or shape[2] != D or shape[1] not in (1, S):
             return False
     return True
 
 
+_ops: Any = None
+
+
+def modulate_ops() -> Any:
+    """``torchpatches.ops.modulate``, imported at the first fused call (importing it registers torch.library
+    ops); a global read after that, not an ``import`` statement per call."""
+    global _ops
+    if _ops is None:
+        from ..ops import modulate
+
+        _ops = modulate
+    return _ops
+
+
 def modulated(norm: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *, fuse: bool) -> torch.Tensor:
     """``norm(x) * (1 + scale) + shift``: one kernel when ``fuse`` and everything fits."""
-    if fuse and x.dim() == 3 and plain_layer_norm(norm, x.shape[-1]) and _vectors_fit(x, scale, shift):
-        from ..ops import modulate as ops
-
-        return ops.layer_norm_modulate(x, scale, shift, eps=norm.eps)
+    if fuse and _vectors_fit(x, scale, shift) and plain_layer_norm(norm, x.shape[-1]):
+        return modulate_ops().prechecked(x, None, None, scale, shift, norm.eps)[0]
     return norm(x) * (1 + _token_dim(scale)) + _token_dim(shift)
 
 
 def modulated_once(norm: Any, norm_cls: type, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
                    ) -> torch.Tensor:
     """Wan's ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``: one kernel when everything fits."""
-    if x.dim() == 3 and plain_layer_norm(norm, x.shape[-1], norm_cls) and _vectors_fit(x, scale, shift,
-                                                                                        rounding="once"):
-        from ..ops import modulate as ops
-
-        return ops.layer_norm_modulate(x, scale, shift, eps=norm.eps, rounding="once")
+    if _vectors_fit(x, scale, shift, rounding="once") and plain_layer_norm(norm, x.shape[-1], norm_cls):
+        return modulate_ops().prechecked(x, None, None, scale, shift, norm.eps, once=True)[0]
     return (norm(x.float()) * (1 + _token_dim(scale)) + _token_dim(shift)).type_as(x)
 
 
 def residual(h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, clip: bool) -> torch.Tensor:
     """``h + gate * y`` (then diffusers' fp16 clip if ``clip``): one kernel when everything fits."""
-    if h.dim() == 3 and y.shape == h.shape and _vectors_fit(h, gate) and tensors_fit(y, dtype=h.dtype, device=h.device):
-        from ..ops import modulate as ops
-
-        return ops.gate_residual(h, gate, y, clip_fp16=clip)
+    if _vectors_fit(h, gate) and _rows_fit(h, y):
+        return modulate_ops().prechecked(h, gate, y, None, None, None, clip=clip)[0]
     out = h + _token_dim(gate) * y
     if clip and out.dtype == torch.float16:
         out = out.clip(-65504, 65504)
@@ -76,15 +93,9 @@ def residual_modulated(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = h + gate * y`` and ``norm(h) * (1 + scale) + shift``; one kernel for both while adaln is on
     (``fuse=None``, FLUX) or when ``fuse`` (a pattern that owns its LayerNorm, QwenImage's block)."""
-    fits = (
-        h.dim() == 3
-        and y.shape == h.shape
-        and tensors_fit(y, dtype=h.dtype, device=h.device)
-        and _vectors_fit(h, gate, scale, shift)
-    )
+    fits = _vectors_fit(h, gate, scale, shift) and _rows_fit(h, y)
     if fits and (pattern_on("adaln") if fuse is None else fuse) and plain_layer_norm(norm, h.shape[-1]):
-        from ..ops import modulate as ops
-
-        return ops.gate_residual_layer_norm_modulate(h, gate, y, scale, shift, eps=norm.eps)
+        h, out = modulate_ops().prechecked(h, gate, y, scale, shift, norm.eps)
+        return h, out
     h = residual(h, gate, y, clip=False)
     return h, norm(h) * (1 + _token_dim(scale)) + _token_dim(shift)

@@ -46,7 +46,7 @@ import torch
 
 from .._declare import Patch
 from ._fused_common import FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, stock
-from ._modulate_calls import _vectors_fit, modulated_once
+from ._modulate_calls import _rows_fit, _vectors_fit, modulated_once, modulate_ops
 
 __all__ = ["PATCH"]
 
@@ -75,18 +75,12 @@ def _affine(norm: Any, x: torch.Tensor) -> bool:
                and t.shape == (x.shape[-1],) and t.device == x.device for t in (norm.weight, norm.bias))
 
 
-def _rows_fit(h: torch.Tensor, y: Any) -> bool:
-    return type(y) is torch.Tensor and y.shape == h.shape and y.dtype == h.dtype and y.device == h.device
-
-
 def _gated(h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, y_float: bool) -> torch.Tensor:
     """Wan's ``(h.float() + y * gate).type_as(h)`` (``y.float() * gate`` after the feed-forward: ``y_float``).
     Fused only where ``y`` has h's dtype and the gate a float dtype: ``y * gate`` then promotes like
     ``y.float() * gate.float()``, exactly."""
     if _rows_fit(h, y) and _vectors_fit(h, gate, rounding="once"):
-        from ..ops import modulate as ops
-
-        return ops.gate_residual(h, gate, y, rounding="once")
+        return modulate_ops().prechecked(h, gate, y, None, None, None, once=True)[0]
     return (h.float() + (y.float() if y_float else y) * gate).type_as(h)
 
 
@@ -105,9 +99,8 @@ def _added_norm3(norm3: Any, h: torch.Tensor, y: torch.Tensor, scale: torch.Tens
     """``h = h + y`` and ``(norm3(h.float()) * (1 + scale) + shift).type_as(h)`` in one pass when they fit."""
     if _rows_fit(h, y) and _plain(norm3, h.shape[-1], _fp32_layer_norm()) and _vectors_fit(h, scale, shift,
                                                                                            rounding="once"):
-        from ..ops import modulate as ops
-
-        return ops.residual_layer_norm_modulate(h, y, scale, shift, eps=norm3.eps, rounding="once")
+        h, out = modulate_ops().prechecked(h, None, y, scale, shift, norm3.eps, once=True)
+        return h, out
     h = h + y
     return h, modulated_once(norm3, _fp32_layer_norm(), h, scale, shift)
 
