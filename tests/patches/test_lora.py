@@ -172,6 +172,21 @@ def test_one_adapter_fp32_bit_identical(calls: List[Tuple[int, bool]]) -> None:
         assert not torch.equal(forward(model, inputs), ref)
 
 
+def test_served_layers_skip_the_ops_checked_entry(calls: List[Tuple[int, bool]],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pattern has checked what ``ops.lora.lora_linear`` checks, so it takes the epilogue directly (host
+    time); the result is the same."""
+    model, inputs = flux()
+    ref = forward(model, inputs)
+
+    def checked_entry(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the checked entry ran")
+
+    monkeypatch.setattr(ops, "lora_linear", checked_entry)
+    calls.clear()
+    assert torch.equal(forward(model, inputs), ref) and len(calls) == LAYERS
+
+
 def test_scaling_not_a_power_of_two_fp32_within_the_gemm_error(calls: List[Tuple[int, bool]]) -> None:
     """The GEMM applies ``alpha`` itself (an FMA with C, or to the packed operand): each layer's sum within the
     GEMM's own error bound of peft's (``tests/ops/test_lora_linear.py``), the whole tiny model within 1e-5."""

@@ -46,7 +46,7 @@ from . import _args
 from ._dispatch import public
 from ._tiers import forced_tier, grad_refusal, jit_tracing, needs_grad
 
-__all__ = ["lora_linear", "Adapter"]
+__all__ = ["lora_linear", "prechecked", "Adapter"]
 
 #: One adapter: (lora_A weight ``[rank, in]``, lora_B weight ``[out, rank]``, scaling: a number or a 0-d tensor).
 Adapter = Tuple[torch.Tensor, torch.Tensor, Union[float, torch.Tensor]]
@@ -115,6 +115,14 @@ def _epilogue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
             return result
         out2d.addmm_(t2d, b.t(), beta=1, alpha=alpha)
     return F.gelu(result, approximate="tanh") if gelu else result
+
+
+def prechecked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], adapters: Sequence[Adapter],
+               *, gelu: bool = False) -> torch.Tensor:
+    """The epilogue tier without :func:`lora_linear`'s checks, for a caller that has made them: the ``lora``
+    pattern (``patches/_lora_calls``), which serves a layer only with plain tensors of ``x``'s dtype and device, no
+    gradient wanted and nothing traced or transformed. Wrong arguments are the caller's bug here."""
+    return _epilogue(x, weight, bias, adapters, gelu)
 
 
 def _alpha(scaling: Union[float, torch.Tensor], t2d: torch.Tensor) -> float:

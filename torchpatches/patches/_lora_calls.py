@@ -69,8 +69,8 @@ def _stock_adapter(layer: Any, modules: dict, name: str, x: torch.Tensor) -> Opt
     return (wa, wb, scaling) if _plain_scaling(scaling, x) else None
 
 
-def served_adapters(layer: Any, x: Any) -> Optional[List[tuple]]:
-    """The active adapters of ``layer`` as ``(A, B, scaling)`` in peft's order, or None: peft's code runs."""
+def _served(layer: Any, x: Any) -> Optional[tuple]:
+    """(base weight, base bias, active adapters as ``(A, B, scaling)`` in peft's order), or None: peft's code runs."""
     peft_layer = sys.modules.get(LAYER)
     if peft_layer is None or type(layer) is not peft_layer.Linear:
         return None
@@ -92,18 +92,41 @@ def served_adapters(layer: Any, x: Any) -> Optional[List[tuple]]:
         if adapter is None:
             return None
         adapters.append(adapter)
-    return adapters
+    return weight, bias, adapters
+
+
+def served_adapters(layer: Any, x: Any) -> Optional[List[tuple]]:
+    """The active adapters of ``layer`` as ``(A, B, scaling)`` in peft's order, or None: peft's code runs."""
+    served = _served(layer, x)
+    return None if served is None else served[2]
+
+
+_ops: Any = None
+
+
+def _lora_ops() -> Any:
+    """``torchpatches.ops.lora``, imported with the first served call; a global read after that."""
+    global _ops
+    if _ops is None:
+        from ..ops import lora
+
+        _ops = lora
+    return _ops
+
+
+# Both calls take ops.lora's epilogue tier without its checks: _served has checked every tensor (plain, of x's
+# dtype and device, no gradient wanted: fusable covers x and every parameter of the layer, _plain_scaling the
+# scalings), and the fused method has stepped aside for tracing and transforms (host time: ~500 LoRA layers
+# per FLUX.1 step).
 
 
 def lora_linear(layer: Any, x: Any) -> Any:
     """peft's ``Linear.forward(x)`` through the GEMM-epilogue op, or ``FALLBACK``."""
-    adapters = served_adapters(layer, x)
-    if adapters is None:
+    served = _served(layer, x)
+    if served is None:
         return FALLBACK
-    from ..ops.lora import lora_linear as op  # lazily: with the target
-
-    base = layer.base_layer
-    return op(x, base.weight, base.bias, adapters, tier="epilogue")
+    weight, bias, adapters = served
+    return _lora_ops().prechecked(x, weight, bias, adapters)
 
 
 def lora_gelu(proj: Any, x: Any) -> Any:
@@ -113,10 +136,8 @@ def lora_gelu(proj: Any, x: Any) -> Any:
     peft_layer = sys.modules.get(LAYER)
     if peft_layer is None or not stock(proj, peft_layer.Linear) or not pattern_on("lora"):
         return FALLBACK
-    adapters = served_adapters(proj, x)
-    if adapters is None:
+    served = _served(proj, x)
+    if served is None:
         return FALLBACK
-    from ..ops.lora import lora_linear as op
-
-    base = proj.base_layer
-    return op(x, base.weight, base.bias, adapters, gelu=True, tier="epilogue")
+    weight, bias, adapters = served
+    return _lora_ops().prechecked(x, weight, bias, adapters, gelu=True)
