@@ -201,7 +201,9 @@ def state(variant: str) -> Iterator[None]:
     ``vanilla``: every patch reverted; ``all``: every patch applied (what ``import torchpatches`` gives);
     ``-NAME``: every patch but NAME; ``int-round``: ``all`` with the kernels' older integer rounding
     (:func:`integer_rounding`); ``modulate:NAME``: ``all`` with a variant of the modulate kernel
-    (``modulate_variants.py``). A trailing ``+`` (a repeated measurement) is ignored."""
+    (``modulate_variants.py``); ``checked``: ``all`` with the fusion patterns calling the ops' checked public entries
+    instead of their ``prechecked`` ones (:func:`checked_entries`). A trailing ``+`` (a repeated measurement) is
+    ignored."""
     import torchpatches
 
     base = variant.rstrip("+")
@@ -215,6 +217,9 @@ def state(variant: str) -> Iterator[None]:
     elif base == "int-round":
         with integer_rounding():
             yield
+    elif base == "checked":
+        with checked_entries():
+            yield
     elif base.startswith("modulate:"):
         from modulate_variants import variant
 
@@ -225,6 +230,46 @@ def state(variant: str) -> Iterator[None]:
             yield
     else:
         raise ValueError(f"unknown variant {variant!r}")
+
+
+@contextlib.contextmanager
+def checked_entries() -> Iterator[None]:
+    """The fusion patterns' op calls through the ops' public, checked entries (what they called before issue 17,
+    round 5), for an A/B of the ``prechecked`` entries against them in one process: each ``prechecked`` is replaced
+    by a function that calls the public entry with the same arguments."""
+    from torchpatches.ops import lora, modulate, qk_norm_rope
+
+    def modulate_checked(residual, gate, y, scale, shift, eps, *, clip=False, once=False):
+        rounding = "once" if once else "each"
+        if scale is None:
+            return [modulate.gate_residual(residual, gate, y, clip_fp16=clip, rounding=rounding)]
+        if y is None:
+            return [modulate.layer_norm_modulate(residual, scale, shift, eps=eps, rounding=rounding)]
+        if gate is None:
+            return list(modulate.residual_layer_norm_modulate(residual, y, scale, shift, eps=eps, clip_fp16=clip,
+                                                              rounding=rounding))
+        return list(modulate.gate_residual_layer_norm_modulate(residual, gate, y, scale, shift, eps=eps,
+                                                               clip_fp16=clip, rounding=rounding))
+
+    def qk_checked(q, k, cos, sin, q_weight, k_weight, eps, v=None, q_txt=None, k_txt=None, v_txt=None,
+                   q_txt_weight=None, k_txt_weight=None):
+        text = dict(v=v, q_txt=q_txt, k_txt=k_txt, v_txt=v_txt, q_txt_weight=q_txt_weight,
+                    k_txt_weight=k_txt_weight, eps_q_txt=eps[2], eps_k_txt=eps[3]) if q_txt is not None else {}
+        return qk_norm_rope.qk_norm_rope(q, k, cos, sin, q_weight=q_weight, k_weight=k_weight, eps_q=eps[0],
+                                         eps_k=eps[1], **text)
+
+    def lora_checked(x, weight, bias, adapters, *, gelu=False):
+        return lora.lora_linear(x, weight, bias, adapters, gelu=gelu, tier="epilogue")
+
+    swaps = ((modulate, modulate_checked), (qk_norm_rope, qk_checked), (lora, lora_checked))
+    saved = [module.prechecked for module, _ in swaps]
+    for module, checked in swaps:
+        module.prechecked = checked
+    try:
+        yield
+    finally:
+        for (module, _), original in zip(swaps, saved):
+            module.prechecked = original
 
 
 #: The ops' modules whose ``kernel_for`` :func:`integer_rounding` swaps.

@@ -37,7 +37,6 @@ from flux_fused import CONFIGS, TINY, build, inputs, rel_err, state, time_steps,
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
            "norm1.linear", "norm1_context.linear", "norm.linear"]
-VARIANTS = ("vanilla", "all", "vanilla+", "all+")
 
 
 def adapter_state_dict(model: torch.nn.Module, rank: int, seed: int) -> Dict[str, torch.Tensor]:
@@ -124,7 +123,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         model.eval()  # adapters are added in training mode (their dropout is nn.Identity here anyway)
         row: Dict[str, Any] = {}
         outputs: Dict[str, torch.Tensor] = {}
-        for variant in VARIANTS + ("-lora",):
+        first = ("vanilla", "all") + (("checked",) if args.checked else ())
+        for variant in first + tuple(v + "+" for v in first) + ("-lora",):  # A B (C) A B (C)
             with state(variant), torch.inference_mode():
                 step = lambda: model(**feed, **extra)  # noqa: E731
                 outputs[variant] = step()[0].float()
@@ -139,6 +139,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
               f"torchpatches {row['all']['median_ms']:.2f}/{row['all+']['median_ms']:.2f} ms ({row['ratio']:.3f}x; "
               f"host {row['all']['host_ms']:.1f} ms), all but lora {row['-lora']['median_ms']:.2f} ms "
               f"({row['ratio_without_lora']:.3f}x), rel err {row['rel_err_vs_vanilla']:.2e}", flush=True)
+        if args.checked:
+            checked = min(row["checked"]["median_ms"], row["checked+"]["median_ms"])
+            row["ratio_checked"] = checked / van
+            print(f"[{name}] patterns through the checked entries {row['checked']['median_ms']:.2f}/"
+                  f"{row['checked+']['median_ms']:.2f} ms ({row['ratio_checked']:.3f}x; host "
+                  f"{row['checked']['host_ms']:.1f} ms)", flush=True)
     return results
 
 
@@ -149,6 +155,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--layers", action="store_true", help="only the per-layer table (no model)")
+    parser.add_argument("--checked", action="store_true",
+                        help="also the 'checked' variant: the patterns through the ops' checked entries")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.rank = args.rank or (4 if args.tiny else 64)

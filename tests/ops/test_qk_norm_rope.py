@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import UNIT, assert_rotated_close, hyp, interleaved_tables, needs_triton, pair_norm, ulps
-from torchpatches.ops.qk_norm_rope import qk_norm_rope
+from torchpatches.ops.qk_norm_rope import force_tier, qk_norm_rope
 
 HYP = hyp(20)
 
@@ -92,6 +92,31 @@ def test_triton_tier_matches_torch_tier_and_float64(case: Dict[str, Any]) -> Non
         assert torch.equal(got[2], ref[2]) and torch.equal(got[2], exact[2].to(got[2].dtype))  # the v concat
     else:
         assert got[2] is None and ref[2] is None  # no v given, nothing to concat
+
+
+@needs_triton
+@settings(**hyp(10))
+@given(cases(), st.sampled_from(["triton", "torch"]), st.booleans())
+def test_prechecked_is_the_public_op(case: Dict[str, Any], tier: str, transposed_k: bool) -> None:
+    """The pattern's entry without the checks gives the public op's result bit for bit in each tier, with q, k,
+    v of different strides (one set per group is made, as the public op makes it) and a head dim that is not
+    unit-stride."""
+    from torchpatches.ops.qk_norm_rope import prechecked
+
+    (q, k, v), w = case["img"], case["weights"]
+    if transposed_k:
+        k = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+    extra: Dict[str, Any] = {}
+    if case["txt"] is not None:
+        qt, kt, vt = case["txt"]
+        extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3])
+    eps = (1e-6, 1e-5) + ((1e-6, 1e-5) if extra else (1e-6, 1e-5))
+    with force_tier(tier):
+        got = prechecked(q, k, case["cos"], case["sin"], w[0], w[1], eps, **extra)
+        want = qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
+                            **(dict(extra, eps_q_txt=1e-6, eps_k_txt=1e-5) if extra else {}))
+    for g, h in zip(got, want):
+        assert (g is None and h is None) or torch.equal(g, h)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

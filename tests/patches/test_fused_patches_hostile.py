@@ -63,3 +63,40 @@ def test_gelu_subclass_overriding_gelu_keeps_its_activation(monkeypatch: pytest.
         assert torch.equal(stock(x), fused.view(2, 3, 6))  # the patched path runs for the stock class
         mine = _ReluGELU(8, 6, approximate="tanh").eval()
         assert torch.equal(mine(x), torch.relu(mine.proj(x)))
+
+
+@pytest.mark.parametrize("misfit", ["fp32 key", "expanded value", "text key of another shape"])
+def test_projections_that_do_not_fit_get_diffusers_code(misfit: str, calls: Dict[str, int]) -> None:
+    """The FLUX q/k path calls the op's unchecked entry, so the pattern itself must refuse what the op would
+    have refused: a projection of another dtype (a hook casting to fp32), an expanded view (two outputs in one
+    place), a text projection whose shape does not match. Diffusers' own code then runs: the same output."""
+    model, inputs = tiny("flux1")
+    block = model.transformer_blocks[0]
+    target = {"fp32 key": block.attn.to_k, "expanded value": block.attn.to_v,
+              "text key of another shape": block.attn.add_k_proj}[misfit]
+
+    def hook(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        if misfit == "fp32 key":  # the tiny model is fp32: another dtype is float64
+            return out.double()
+        if misfit == "expanded value":
+            return out[:, :1].expand_as(out)
+        return out[:, :-1]
+
+    target.register_forward_hook(hook)
+    with torch.no_grad():
+        with torchpatches.disabled(*FUSED):
+            try:
+                ref = model(**inputs, return_dict=False)[0]
+            except RuntimeError as e:  # diffusers' own code refuses the misfit too: the same error
+                ref = e
+        with force_tier("torch"):
+            try:
+                got = model(**inputs, return_dict=False)[0]
+            except RuntimeError as e:
+                got = e
+    if isinstance(ref, Exception):
+        assert type(got) is type(ref) and str(got) == str(ref)
+    else:
+        assert torch.equal(got, ref)
+        assert calls["qk_norm_rope"] == len(model.single_transformer_blocks)  # the hooked double block: diffusers'
+

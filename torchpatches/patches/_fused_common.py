@@ -242,6 +242,7 @@ def plain_rms_norm(norm: Any, x: torch.Tensor) -> bool:
         norm.eps is not None
         and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and tuple(norm.normalized_shape) == (x.shape[-1],)
+        and weight.shape == (x.shape[-1],)
         and weight.dtype == x.dtype
         and weight.device == x.device
     )

@@ -41,8 +41,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._declare import Patch
-from ._fused_common import (CAT, FALLBACK, FUSED_REQUIRES, RMS_NORM, SILU, fusable, fused_target, pattern_on,
-                            plain_rms_norm, remembered, stock)
+from ._fused_common import (CAT, FALLBACK, FLOAT_DTYPES, FUSED_REQUIRES, RMS_NORM, SILU, fusable, fused_target,
+                            pattern_on, plain_rms_norm, remembered, stock)
 
 __all__ = ["PATCH"]
 
@@ -93,29 +93,65 @@ def _split_heads(attn: Any, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.unflatten(-1, (-1, attn.head_dim)) for t in tensors]
 
 
+def _projections_fit(x: torch.Tensor, group: tuple, ref: torch.Tensor) -> bool:
+    """Each ``[B, S, H, D]`` projection of a group is a plain tensor of ``x``'s dtype and device, of one shape,
+    with ``ref``'s batch, heads and head dim, and no expanded dim (two outputs in one place): what
+    ``ops.qk_norm_rope`` checks, checked here so the pattern can call its ``prechecked`` entry."""
+    shape = group[0].shape
+    if len(shape) != 4 or shape[0] != ref.shape[0] or shape[2:] != ref.shape[2:]:
+        return False
+    for t in group:
+        if type(t) is not torch.Tensor or t.dtype != x.dtype or t.device != x.device or t.shape != shape:
+            return False
+        for size, stride in zip(t.shape, t.stride()):
+            if stride == 0 and size > 1:
+                return False
+    return True
+
+
+_ops: Any = None
+
+
+def _qk_ops() -> Any:
+    """``torchpatches.ops.qk_norm_rope``, imported at the first fused call (it registers torch.library ops)."""
+    global _ops
+    if _ops is None:
+        from ..ops import qk_norm_rope
+
+        _ops = qk_norm_rope
+    return _ops
+
+
 def _fused_qkv(attn: Any, query, key, value, encoder_query, encoder_key, encoder_value, image_rotary_emb, joint):
     """None if a tensor does not fit (the caller then finishes with diffusers' code), else (q, k, v)."""
     if any(type(t) is not torch.Tensor for t in (query, key, value)):
         return None
     query, key, value = _split_heads(attn, query, key, value)
     if joint:
+        if any(type(t) is not torch.Tensor for t in (encoder_query, encoder_key, encoder_value)):
+            return None
         encoder_query, encoder_key, encoder_value = _split_heads(attn, encoder_query, encoder_key, encoder_value)
+    x = query
+    if x.dtype not in FLOAT_DTYPES or x.shape[-1] % 2 or not _projections_fit(x, (query, key, value), x):
+        return None  # the head dim must be even for interleaved RoPE
+    if joint and not _projections_fit(x, (encoder_query, encoder_key, encoder_value), x):
+        return None
     rows = query.shape[1] + (encoder_query.shape[1] if joint else 0)
     if not (_rotary_fits(image_rotary_emb, query, rows) and _norms_ok(attn, query, joint)):
         return None
     cos, sin = image_rotary_emb
-    extra = {}
+    modules = attn._modules  # the norms, read from the dict (Module.__getattr__ costs a microsecond a lookup)
+    norm_q, norm_k = modules["norm_q"], modules["norm_k"]
+    weights = dict(q_weight=norm_q._parameters["weight"], k_weight=norm_k._parameters["weight"])
+    eps = (float(norm_q.eps), float(norm_k.eps))
     if joint:
-        extra = dict(v=value, q_txt=encoder_query, k_txt=encoder_key, v_txt=encoder_value,
-                     q_txt_weight=attn.norm_added_q.weight, k_txt_weight=attn.norm_added_k.weight,
-                     eps_q_txt=attn.norm_added_q.eps, eps_k_txt=attn.norm_added_k.eps)
-    from ..ops.qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
-
-    try:
-        q, k, v = qk_norm_rope(query, key, cos, sin, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
-                               eps_q=attn.norm_q.eps, eps_k=attn.norm_k.eps, **extra)
-    except ValueError:  # e.g. a projection returned another dtype; the op checks before it computes
-        return None
+        norm_qt, norm_kt = modules["norm_added_q"], modules["norm_added_k"]
+        weights.update(q_txt_weight=norm_qt._parameters["weight"], k_txt_weight=norm_kt._parameters["weight"],
+                       v=value, q_txt=encoder_query, k_txt=encoder_key, v_txt=encoder_value)
+        eps += (float(norm_qt.eps), float(norm_kt.eps))
+    else:
+        eps += eps
+    q, k, v = _qk_ops().prechecked(query, key, cos, sin, eps=eps, **weights)
     return q, k, (v if joint else value)
 
 
