@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 part=${1:-all}  # host: op_host_cost + host_profile; tests: the CUDA tests + launch_overhead; all: both
 if [ "$part" != tests ]; then
-for i in 1 2; do for tree in .old/before .; do echo "== $tree $i"; PYTHONPATH=/tmp/site:$PWD/$tree timeout 60 python3 benchmarks/op_host_cost.py --top 0 --json $OUT/op-host-cost-$(basename $tree)-$i.json 2>&1 | sed -n 2,5p; done; done
+for i in 1 2; do for tree in .old/before .; do echo "== $tree $i"; PYTHONPATH=/tmp/site:$PWD/$tree timeout 60 python3 benchmarks/op_host_cost.py --top 0 --json $OUT/op-host-cost-$(basename $tree)-$i.json 2>&1 | sed -n 2,6p; done; done
 for i in 1 2; do for tree in .old/before .; do echo "== host_profile $tree $i"; PYTHONPATH=/tmp/site:$PWD/$tree timeout 150 python3 benchmarks/host_profile.py --models flux1 --variants all --steps 5 --top 12 --json $OUT/host-profile-$(basename $tree)-$i.json 2>&1 | grep -A22 "^\[flux1\]"; done; done
 fi
 [ "$part" = host ] && exit 0

@@ -3,7 +3,7 @@
 For ``ops.modulate.layer_norm_modulate`` at a tiny shape (the kernel takes a few microseconds on the GPU, so
 a batch's wall time is host time): the public entry (argument checks, tier choice, output allocation, the
 Triton launch through ``ops._launch``), the Triton tier's ``launch`` called directly with prepared tensors,
-``torch.empty`` of the output and ``x + 1`` for scale; medians of ``--repeats`` batches of ``--batch`` calls.
+``torch.empty`` of the output and ``x + 1`` for scale, and the helper the adaln pattern calls (its checks, then the op); medians of ``--repeats`` batches of ``--batch`` calls.
 Then cProfile over ``--profile-calls`` entry calls: the top functions by self time, per call.
 
 ``--python-only`` (any machine, no GPU): the same calls on CPU tensors with the Triton tier forced and the
@@ -91,6 +91,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "torch.empty (the output)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
         "x + 1 (one torch op)": lambda: x + 1,
     }
+    from torchpatches.patches import _modulate_calls as helpers
+
+    norm = torch.nn.LayerNorm(64, elementwise_affine=False, eps=1e-6)
+    calls["patterns: modulated (what adaln calls)"] = lambda: helpers.modulated(norm, x, v, v, fuse=True)
     for fn in calls.values():
         fn()
     rows = [dict(call=name, host_us=host_us_per_call(fn, args.batch, args.repeats, torch.cuda.synchronize))
