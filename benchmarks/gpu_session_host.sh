@@ -2,8 +2,9 @@
 # One device-tool call (H100/H200, no network): host cost of the fused ops, the tree before a change against
 # the working tree, in one lease. Needs, carried into the repo root: .whl/ (diffusers 0.42.1 + importlib_metadata
 # wheels) and .old/before/ (git archive REV torchpatches benchmarks). benchmarks/op_host_cost.py twice per tree,
-# alternated; host_profile.py on FLUX.1-dev (eager + torchpatches) twice per tree, alternated; the CUDA tests of the fused ops and
-# patterns; launch_overhead.py (`bash benchmarks/gpu_session_host.sh host|tests` runs one half: a call's 600 s). Writes JSON, pytest.txt and launch-overhead.txt under $OUT.
+# alternated; host_profile.py on FLUX.1-dev (eager + torchpatches) twice per tree, alternated; the CUDA tests of
+# the fused ops and patterns; launch_overhead.py. `bash benchmarks/gpu_session_host.sh host|tests` runs one half
+# (a call has 600 s). Writes JSON, pytest.txt and launch-overhead.txt under $OUT.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1

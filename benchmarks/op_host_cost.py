@@ -3,7 +3,8 @@
 For ``ops.modulate.layer_norm_modulate`` at a tiny shape (the kernel takes a few microseconds on the GPU, so
 a batch's wall time is host time): the public entry (argument checks, tier choice, output allocation, the
 Triton launch through ``ops._launch``), the Triton tier's ``launch`` called directly with prepared tensors,
-``torch.empty`` of the output and ``x + 1`` for scale, and the helper the adaln pattern calls (its checks, then the op); medians of ``--repeats`` batches of ``--batch`` calls.
+``torch.empty`` of the output and ``x + 1`` for scale, and the helper the adaln pattern calls (its checks, then
+the op); medians of ``--repeats`` batches of ``--batch`` calls.
 Then cProfile over ``--profile-calls`` entry calls: the top functions by self time, per call.
 
 ``--python-only`` (any machine, no GPU): the same calls on CPU tensors with the Triton tier forced and the
