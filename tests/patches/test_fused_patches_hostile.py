@@ -84,7 +84,7 @@ def test_projections_that_do_not_fit_get_diffusers_code(misfit: str, calls: Dict
 
     target.register_forward_hook(hook)
     with torch.no_grad():
-        with torchpatches.disabled(*FUSED):
+        with torchpatches.disabled(*FUSED, "rope"):  # diffusers' own code throughout (rope: its Triton tier on a GPU)
             try:
                 ref = model(**inputs, return_dict=False)[0]
             except RuntimeError as e:  # diffusers' own code refuses the misfit too: the same error
