@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_checks import DTYPES, hyp, needs_triton, strided, ulps
+from _fused_checks import DTYPES, HAS_TRITON, hyp, needs_triton, strided, ulps
 from torchpatches.ops import linear_gelu, slices, swiglu
+from torchpatches.ops._tiers import force_tier
 
 HYP = hyp(20)
 
@@ -91,3 +92,20 @@ def test_linear_gelu_on_cpu_is_diffusers_two_ops(dtype: torch.dtype) -> None:
         assert not torch.allclose(erf_like, got.reshape(-1, 24), atol=1e-5)
     with pytest.raises(ValueError, match="cublaslt"):
         linear_gelu.linear_gelu_tanh(x, w, b, tier="cublaslt")
+
+
+@pytest.mark.parametrize("tier", ["torch", "triton"])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_slices_prechecked_is_the_public_op(tier: str, gelu: bool) -> None:
+    """The pattern's entry without the checks writes what ``gelu_tanh_into`` / ``copy_into`` write, bit for bit,
+    also from an ``x`` whose last dim is not unit-stride."""
+    if tier == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    g = torch.Generator().manual_seed(3)
+    for x in (torch.randn(2, 5, 24, generator=g).bfloat16(),
+              torch.randn(2, 24, 5, generator=g).bfloat16().transpose(1, 2)):
+        got, want = torch.zeros(2, 5, 40, dtype=torch.bfloat16), torch.zeros(2, 5, 40, dtype=torch.bfloat16)
+        with force_tier(tier):
+            assert slices.prechecked(x, got[..., 16:], gelu=gelu) is not None
+            (slices.gelu_tanh_into if gelu else slices.copy_into)(x, want[..., 16:])
+        assert torch.equal(got, want) and not got[..., :16].any()

@@ -50,8 +50,8 @@ from typing import Any
 import torch
 
 from .._declare import Patch, Target
-from ._fused_common import (CAT, FALLBACK, FUSED_REQUIRES, GELU, LAYER_NORM, fusable, fused_target, pattern_on,
-                            stock)
+from ._fused_common import (CAT, FALLBACK, FLOAT_DTYPES, FUSED_REQUIRES, GELU, LAYER_NORM, fusable, fused_target,
+                            pattern_on, stock)
 from ._modulate_calls import modulated, residual, residual_modulated
 
 __all__ = ["PATCH", "joined"]
@@ -88,6 +88,23 @@ def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
         B, T, D = first.shape
         return first.as_strided((B, T + second.shape[1], D), first.stride(), first.storage_offset())
     return torch.cat([first, second], dim=1)
+
+
+_slices: Any = None
+
+
+def _slices_ops() -> Any:
+    """``torchpatches.ops.slices``, imported at the first fused call (it registers torch.library ops)."""
+    global _slices
+    if _slices is None:
+        from ..ops import slices
+
+        _slices = slices
+    return _slices
+
+
+def _plain(t: Any) -> bool:
+    return type(t) is torch.Tensor and t.dtype in FLOAT_DTYPES
 
 
 def _block_ok(block: Any, *tensors: Any) -> bool:
@@ -143,8 +160,7 @@ def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_
     if not (_block_ok(self, hidden_states, encoder_hidden_states, temb)
             and stock(act, torch.nn.GELU) and act.approximate == "tanh"):
         return FALLBACK
-    from ..ops.slices import copy_into, gelu_tanh_into  # lazily: ops register torch.library ops
-
+    slices = _slices_ops()
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = joined(encoder_hidden_states, hidden_states)
     residual_states = hidden_states
@@ -153,15 +169,19 @@ def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_
     # [attention output | gelu(mlp)]: the GELU writes its half of proj_out's input directly.
     width = self.attn.inner_dim
     buf = mlp.new_empty((*mlp.shape[:-1], width + mlp.shape[-1]))
-    gelu_tanh_into(mlp, buf[..., width:])
+    if _plain(mlp):  # the buffer was just allocated from it: same shape, dtype, device, no shared memory
+        slices.prechecked(mlp, buf[..., width:], gelu=True)
+    else:
+        slices.gelu_tanh_into(mlp, buf[..., width:])
     del mlp
     attn_output = self.attn(
         hidden_states=norm_hidden_states,
         image_rotary_emb=image_rotary_emb,
         **(joint_attention_kwargs or {}),
     )
-    if attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype:
-        copy_into(attn_output, buf[..., :width])
+    if _plain(attn_output) and attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype \
+            and attn_output.device == buf.device and _plain(buf):
+        slices.prechecked(attn_output, buf[..., :width], gelu=False)
     else:  # a processor returned another width or dtype: the concat diffusers would do
         buf = torch.cat([attn_output, buf[..., width:]], dim=2)
     hidden_states = residual(residual_states, gate, self.proj_out(buf), clip=True)
