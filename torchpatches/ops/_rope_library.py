@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._lazy import lazy_module
 from ._dispatch import plain_eager
 from ._rope_checks import bshd, positions_2d
 
@@ -41,17 +42,8 @@ def triton_body(kernel: Any, q: torch.Tensor, k: Optional[torch.Tensor], q_out: 
     )
 
 
-_RT: Any = None
-
-
-def _triton_module() -> Any:
-    """torchpatches.ops._rope_triton, imported on first use (it imports triton)."""
-    global _RT
-    if _RT is None:
-        from torchpatches.ops import _rope_triton
-
-        _RT = _rope_triton
-    return _RT
+#: torchpatches.ops._rope_triton, imported on first use (it imports triton).
+_triton_module = lazy_module("torchpatches.ops._rope_triton")
 
 
 def _kernel(device_type: str, wrap: bool) -> Any:

@@ -40,10 +40,11 @@ for every call autograd records (the kernel has no backward; ``tier="triton"`` t
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
+from .._lazy import lazy_module
 from . import _args, _dispatch, _modulate_torch
 from ._tiers import FLOAT_DTYPES, choose_tier, force_tier, needs_grad
 
@@ -117,18 +118,8 @@ def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
     return [t for t in (h, out) if t is not None]
 
 
-_triton: Any = None
-
-
-def _triton_tier() -> Any:
-    """``_modulate_triton``, imported at the first Triton call (it imports triton); a global read after that,
-    not an ``import`` statement per call."""
-    global _triton
-    if _triton is None:
-        from . import _modulate_triton
-
-        _triton = _modulate_triton
-    return _triton
+#: The Triton tier's module, imported at its first call (it imports triton).
+_triton_tier = lazy_module(f"{__package__}._modulate_triton")
 
 
 @torch.library.custom_op("torchpatches::modulate", mutates_args=())

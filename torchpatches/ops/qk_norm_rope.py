@@ -35,11 +35,12 @@ autograd records (``tier="triton"`` with tensors requiring grad raises ``ValueEr
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from .._lazy import lazy_module
 from . import _args, _dispatch
 from ._memory import check_no_overlap
 from ._tiers import choose_tier, force_tier, needs_grad
@@ -106,17 +107,8 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, roun
     return [q_out, k_out, v_out if v_out is not None else v]
 
 
-_triton: Any = None
-
-
-def _triton_tier() -> Any:
-    """``_qk_norm_rope_triton``, imported at the first Triton call (it imports triton); a global read after that."""
-    global _triton
-    if _triton is None:
-        from . import _qk_norm_rope_triton
-
-        _triton = _qk_norm_rope_triton
-    return _triton
+#: The Triton tier's module, imported at its first call (it imports triton).
+_triton_tier = lazy_module(f"{__package__}._qk_norm_rope_triton")
 
 
 @torch.library.custom_op("torchpatches::qk_norm_rope", mutates_args=())

@@ -20,10 +20,11 @@ elsewhere and for calls autograd records (through ``copy_``, differentiable). Un
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
+from .._lazy import lazy_module
 from . import _args, _dispatch
 from ._memory import check_out
 from ._tiers import choose_tier, needs_grad
@@ -55,17 +56,8 @@ def _impl(x: torch.Tensor, out: torch.Tensor, act: int, tier: str) -> None:
         out.copy_(x)
 
 
-_triton: Any = None
-
-
-def _triton_tier() -> Any:
-    """``_rows_triton``, imported at the first Triton call (it imports triton); a global read after that."""
-    global _triton
-    if _triton is None:
-        from . import _rows_triton
-
-        _triton = _rows_triton
-    return _triton
+#: The Triton tier's module, imported at its first call (it imports triton).
+_triton_tier = lazy_module(f"{__package__}._rows_triton")
 
 
 @torch.library.custom_op("torchpatches::act_into", mutates_args=("out",))

@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from .._lazy import lazy_module
 from ._fused_common import FALLBACK, fusable, pattern_on, stock
 
 __all__ = ["LAYER", "served_adapters", "lora_linear", "lora_gelu"]
@@ -101,17 +102,8 @@ def served_adapters(layer: Any, x: Any) -> Optional[List[tuple]]:
     return None if served is None else served[2]
 
 
-_ops: Any = None
-
-
-def _lora_ops() -> Any:
-    """``torchpatches.ops.lora``, imported with the first served call; a global read after that."""
-    global _ops
-    if _ops is None:
-        from ..ops import lora
-
-        _ops = lora
-    return _ops
+#: ``torchpatches.ops.lora``, imported with the first served call.
+_lora_ops = lazy_module("torchpatches.ops.lora")
 
 
 # Both calls take ops.lora's epilogue tier without its checks: _served has checked every tensor (plain, of x's

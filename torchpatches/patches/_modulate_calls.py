@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._lazy import lazy_module
 from ..ops._tiers import FLOAT_DTYPES
 from ._fused_common import pattern_on, plain_layer_norm
 
@@ -48,18 +49,8 @@ def _vectors_fit(x: torch.Tensor, *vectors: Optional[torch.Tensor], rounding: st
     return True
 
 
-_ops: Any = None
-
-
-def modulate_ops() -> Any:
-    """``torchpatches.ops.modulate``, imported at the first fused call (importing it registers torch.library
-    ops); a global read after that, not an ``import`` statement per call."""
-    global _ops
-    if _ops is None:
-        from ..ops import modulate
-
-        _ops = modulate
-    return _ops
+#: ``torchpatches.ops.modulate``, imported at the first fused call (importing it registers torch.library ops).
+modulate_ops = lazy_module("torchpatches.ops.modulate")
 
 
 def modulated(norm: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *, fuse: bool) -> torch.Tensor:

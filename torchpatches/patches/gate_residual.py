@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from .._declare import Patch, Target
+from .._lazy import lazy_module
 from ._fused_common import (CAT, FALLBACK, FLOAT_DTYPES, FUSED_REQUIRES, GELU, LAYER_NORM, fusable, fused_target,
                             pattern_on, stock)
 from ._modulate_calls import modulated, residual, residual_modulated
@@ -90,17 +91,8 @@ def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return torch.cat([first, second], dim=1)
 
 
-_slices: Any = None
-
-
-def _slices_ops() -> Any:
-    """``torchpatches.ops.slices``, imported at the first fused call (it registers torch.library ops)."""
-    global _slices
-    if _slices is None:
-        from ..ops import slices
-
-        _slices = slices
-    return _slices
+#: ``torchpatches.ops.slices``, imported at the first fused call (it registers torch.library ops).
+_slices_ops = lazy_module("torchpatches.ops.slices")
 
 
 def _plain(t: Any) -> bool:

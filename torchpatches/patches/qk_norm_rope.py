@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._declare import Patch
+from .._lazy import lazy_module
 from ._fused_common import (CAT, FALLBACK, FLOAT_DTYPES, FUSED_REQUIRES, RMS_NORM, SILU, fusable, fused_target,
                             pattern_on, plain_rms_norm, remembered, stock)
 
@@ -109,17 +110,8 @@ def _projections_fit(x: torch.Tensor, group: tuple, ref: torch.Tensor) -> bool:
     return True
 
 
-_ops: Any = None
-
-
-def _qk_ops() -> Any:
-    """``torchpatches.ops.qk_norm_rope``, imported at the first fused call (it registers torch.library ops)."""
-    global _ops
-    if _ops is None:
-        from ..ops import qk_norm_rope
-
-        _ops = qk_norm_rope
-    return _ops
+#: ``torchpatches.ops.qk_norm_rope``, imported at the first fused call (it registers torch.library ops).
+_qk_ops = lazy_module("torchpatches.ops.qk_norm_rope")
 
 
 def _fused_qkv(attn: Any, query, key, value, encoder_query, encoder_key, encoder_value, image_rotary_emb, joint):
