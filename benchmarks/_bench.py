@@ -237,7 +237,7 @@ def checked_entries() -> Iterator[None]:
     """The fusion patterns' op calls through the ops' public, checked entries (what they called before issue 17,
     round 5), for an A/B of the ``prechecked`` entries against them in one process: each ``prechecked`` is replaced
     by a function that calls the public entry with the same arguments."""
-    from torchpatches.ops import lora, modulate, qk_norm_rope
+    from torchpatches.ops import lora, modulate, qk_norm_rope, slices
 
     def modulate_checked(residual, gate, y, scale, shift, eps, *, clip=False, once=False):
         rounding = "once" if once else "each"
@@ -261,7 +261,10 @@ def checked_entries() -> Iterator[None]:
     def lora_checked(x, weight, bias, adapters, *, gelu=False):
         return lora.lora_linear(x, weight, bias, adapters, gelu=gelu, tier="epilogue")
 
-    swaps = ((modulate, modulate_checked), (qk_norm_rope, qk_checked), (lora, lora_checked))
+    def slices_checked(x, out, *, gelu):
+        return (slices.gelu_tanh_into if gelu else slices.copy_into)(x, out)
+
+    swaps = ((modulate, modulate_checked), (qk_norm_rope, qk_checked), (lora, lora_checked), (slices, slices_checked))
     saved = [module.prechecked for module, _ in swaps]
     for module, checked in swaps:
         module.prechecked = checked
