@@ -81,6 +81,25 @@ def test_dtype_changed_by_to(flux1, calls: Dict[str, int]) -> None:
     assert _qk_calls(model, inputs, calls) == ALL
 
 
+def test_weight_of_another_shape_set_through_data(flux1, calls: Dict[str, int]) -> None:
+    """``weight.data = ...`` keeps the parameter object: the remembered verdict must still see the new shape (the
+    fused path hands the weight to the op's unchecked entry, whose kernel would read past its end)."""
+    from torchpatches.patches.qk_norm_rope import _norms_ok
+
+    model, inputs = flux1
+    attn = model.single_transformer_blocks[0].attn
+    q = torch.randn(1, 4, attn.heads, attn.head_dim)
+    assert _norms_ok(attn, q, False)
+    weight = attn.norm_k.weight
+    kept = weight.data
+    weight.data = torch.ones(attn.head_dim + 2)
+    try:
+        assert not _norms_ok(attn, q, False)
+    finally:
+        weight.data = kept
+    assert _norms_ok(attn, q, False)
+
+
 def test_submodule_wrapped_as_an_adapter_then_rebound(flux1, calls: Dict[str, int]) -> None:
     model, inputs = flux1
     attn = model.transformer_blocks[0].attn

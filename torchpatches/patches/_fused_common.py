@@ -180,11 +180,13 @@ def _state(module: Any) -> tuple:
     """What a module's verdicts depend on, read from its ``__dict__`` (``nn.Module.__getattr__`` costs more than
     the rest together): its class, its forward hooks, a ``forward`` set on the instance (accelerate's and
     diffusers' hooks), training mode, and its own parameters: which objects (by id: a tensor compared with
-    ``==`` would compare elements), their types, dtypes and devices (``.to()``). Nothing that refers back to
+    ``==`` would compare elements), their types, dtypes, devices (``.to()``) and shapes (``p.data = ...`` keeps the
+    object: the fused paths call their ops' unchecked entries with these weights). Nothing that refers back to
     the module (a bound ``forward`` would keep it alive through the weak-keyed entry)."""
     d = module.__dict__
     return (type(module), len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), "forward" in d, d["training"],
-            *((id(p), type(p), p.dtype, p.device) if p is not None else None for p in d["_parameters"].values()))
+            *((id(p), type(p), p.dtype, p.device, p.shape) if p is not None else None
+              for p in d["_parameters"].values()))
 
 
 def remembered(module: Any, key: Any, check: Callable[[], bool], children: Tuple[str, ...] = ()) -> bool:
