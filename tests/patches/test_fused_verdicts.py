@@ -100,6 +100,18 @@ def test_weight_of_another_shape_set_through_data(flux1, calls: Dict[str, int]) 
     assert _norms_ok(attn, q, False)
 
 
+def test_eps_set_to_none_after_the_verdict(flux1, calls: Dict[str, int]) -> None:
+    """An RMSNorm's ``eps`` is read per call, not remembered: ``None`` (torch's default eps) after a fused run gives
+    diffusers' code for that block, with diffusers' result."""
+    model, inputs = flux1
+    norm = model.single_transformer_blocks[0].attn.norm_q
+    kept, norm.eps = norm.eps, None
+    try:
+        assert _qk_calls(model, inputs, calls) == ALL - 1
+    finally:
+        norm.eps = kept
+
+
 def test_submodule_wrapped_as_an_adapter_then_rebound(flux1, calls: Dict[str, int]) -> None:
     model, inputs = flux1
     attn = model.transformer_blocks[0].attn

@@ -135,14 +135,17 @@ def _fused_qkv(attn: Any, query, key, value, encoder_query, encoder_key, encoder
     modules = attn._modules  # the norms, read from the dict (Module.__getattr__ costs a microsecond a lookup)
     norm_q, norm_k = modules["norm_q"], modules["norm_k"]
     weights = dict(q_weight=norm_q._parameters["weight"], k_weight=norm_k._parameters["weight"])
-    eps = (float(norm_q.eps), float(norm_k.eps))
-    if joint:
-        norm_qt, norm_kt = modules["norm_added_q"], modules["norm_added_k"]
-        weights.update(q_txt_weight=norm_qt._parameters["weight"], k_txt_weight=norm_kt._parameters["weight"],
-                       v=value, q_txt=encoder_query, k_txt=encoder_key, v_txt=encoder_value)
-        eps += (float(norm_qt.eps), float(norm_kt.eps))
-    else:
-        eps += eps
+    try:  # eps is not in the remembered state: set to None (RMSNorm's default) after the verdict, diffusers' code
+        eps = (float(norm_q.eps), float(norm_k.eps))
+        if joint:
+            norm_qt, norm_kt = modules["norm_added_q"], modules["norm_added_k"]
+            weights.update(q_txt_weight=norm_qt._parameters["weight"], k_txt_weight=norm_kt._parameters["weight"],
+                           v=value, q_txt=encoder_query, k_txt=encoder_key, v_txt=encoder_value)
+            eps += (float(norm_qt.eps), float(norm_kt.eps))
+        else:
+            eps += eps
+    except TypeError:
+        return None
     q, k, v = _qk_ops().prechecked(query, key, cos, sin, eps=eps, **weights)
     return q, k, (v if joint else value)
 
