@@ -238,4 +238,3 @@ def test_the_checker_tells_a_submodule_from_a_name_of_the_package_init() -> None
     assert targets(f"{PACKAGE}.ops.rope", "import torchpatches") == [(PACKAGE, True)]
     assert targets(f"{PACKAGE}.ops.rope", "from torchpatches import apply") == [(PACKAGE, True)]
     assert targets(f"{PACKAGE}.ops.rope", "import torch, os.path") == []
-

@@ -110,7 +110,7 @@ def test_prechecked_is_the_public_op(case: Dict[str, Any], tier: str, transposed
     if case["txt"] is not None:
         qt, kt, vt = case["txt"]
         extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3])
-    eps = (1e-6, 1e-5) + ((1e-6, 1e-5) if extra else (1e-6, 1e-5))
+    eps = (1e-6, 1e-5, 1e-6, 1e-5)  # q, k, q_txt, k_txt (the text ones unused without text)
     with force_tier(tier):
         got = prechecked(q, k, case["cos"], case["sin"], w[0], w[1], eps, **extra)
         want = qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
