@@ -65,6 +65,7 @@ def test_gelu_subclass_overriding_gelu_keeps_its_activation(monkeypatch: pytest.
         assert torch.equal(mine(x), torch.relu(mine.proj(x)))
 
 
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's, on diffusers' path
 @pytest.mark.parametrize("misfit", ["fp32 key", "expanded value", "text key of another shape"])
 def test_projections_that_do_not_fit_get_diffusers_code(misfit: str, calls: Dict[str, int]) -> None:
     """The FLUX q/k path calls the op's unchecked entry, so the pattern itself must refuse what the op would
