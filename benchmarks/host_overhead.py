@@ -113,7 +113,7 @@ def _guard_cases(model: torch.nn.Module) -> Dict[str, Callable[[], Any]]:
                 and qk_norm_rope._rotary_fits(rot, q, rows) and qk_norm_rope._norms_ok(attn, q, joint))
 
     def residual_modulated_guard() -> bool:
-        return (calls.tensors_fit(x, dtype=x.dtype, device=x.device) and calls._vectors_fit(x, vec, vec, vec)
+        return (calls._vectors_fit(x, vec, vec, vec) and calls._rows_fit(x, x)
                 and calls.pattern_on("adaln") and calls.plain_layer_norm(block.norm2, D))
 
     return {
@@ -125,8 +125,7 @@ def _guard_cases(model: torch.nn.Module) -> Dict[str, Callable[[], Any]]:
                                                           single_rotary, 24),
         "guard modulated": lambda: calls.plain_layer_norm(block.norm2, D) and calls._vectors_fit(x, vec, vec),
         "guard residual_modulated": residual_modulated_guard,
-        "guard residual": lambda: calls._vectors_fit(x, vec) and calls.tensors_fit(x, dtype=x.dtype,
-                                                                                    device=x.device),
+        "guard residual": lambda: calls._vectors_fit(x, vec) and calls._rows_fit(x, x),
     }
 
 
