@@ -182,7 +182,8 @@ def peft_accelerate(session: nox.Session) -> None:
                 "print(f'peft {peft.__version__}, accelerate {accelerate.__version__}, torch {torch.__version__}')")
     # Every model's LoRA case (FLUX.1, and SD3 / Wan / QwenImage parametrized) and the accelerate hooks.
     _pytest(session, "tests/patches/test_fused_patches.py", "-k", "lora or accelerate", "-rs")
-    _pytest(session, "tests/patches/test_lora.py", "-rs")  # the lora pattern (peft's LoRA layers)
+    # the lora pattern (peft's LoRA layers); lora_scale's cases with peft (its walk runs in every session)
+    _pytest(session, "tests/patches/test_lora.py", "tests/patches/test_lora_scale.py", "-rs")
     # The adapter invalidations of the remembered verdicts and the CUDA graphs (they skip where peft is absent, as
     # in the tests-<torch> sessions); QwenImage's accelerate-hook case.
     _pytest(session, "tests/patches/test_fused_verdicts.py", "tests/test_cuda_graphs.py",

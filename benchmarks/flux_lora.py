@@ -17,6 +17,7 @@ every patch but ``lora``), median of CUDA-event-timed steps; output difference a
     python benchmarks/flux_lora.py --json lora.json          # GPU
     python benchmarks/flux_lora.py --layers                   # one layer per FLUX.1-dev shape: op vs peft's order
     python benchmarks/flux_lora.py --tiny                     # CPU smoke test (PyTorch tiers forced)
+    python benchmarks/flux_lora.py --without lora_scale       # also every patch but lora_scale, alternated
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         model.eval()  # adapters are added in training mode (their dropout is nn.Identity here anyway)
         row: Dict[str, Any] = {}
         outputs: Dict[str, torch.Tensor] = {}
-        first = ("vanilla", "all") + (("checked",) if args.checked else ())
+        first = ("vanilla", "all") + (("checked",) if args.checked else ()) + tuple(f"-{n}" for n in args.without)
         for variant in first + tuple(v + "+" for v in first) + ("-lora",):  # A B (C) A B (C)
             with state(variant), torch.inference_mode():
                 step = lambda: model(**feed, **extra)  # noqa: E731
@@ -145,6 +146,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             print(f"[{name}] patterns through the checked entries {row['checked']['median_ms']:.2f}/"
                   f"{row['checked+']['median_ms']:.2f} ms ({row['ratio_checked']:.3f}x; host "
                   f"{row['checked']['host_ms']:.1f} ms)", flush=True)
+        for patch in args.without:
+            without = min(row[f"-{patch}"]["median_ms"], row[f"-{patch}+"]["median_ms"])
+            row[f"ratio_without_{patch}"] = without / van
+            print(f"[{name}] every patch but {patch} {row[f'-{patch}']['median_ms']:.2f}/"
+                  f"{row[f'-{patch}+']['median_ms']:.2f} ms ({without / van:.3f}x; host {row[f'-{patch}']['host_ms']:.1f}"
+                  f" / {row[f'-{patch}+']['host_ms']:.1f} ms, all {row['all']['host_ms']:.1f} / "
+                  f"{row['all+']['host_ms']:.1f} ms)", flush=True)
     return results
 
 
@@ -157,6 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--layers", action="store_true", help="only the per-layer table (no model)")
     parser.add_argument("--checked", action="store_true",
                         help="also the 'checked' variant: the patterns through the ops' checked entries")
+    parser.add_argument("--without", action="append", default=[], metavar="PATCH",
+                        help="also every patch but PATCH, in the A B alternation (repeatable): --without lora_scale")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.rank = args.rank or (4 if args.tiny else 64)
@@ -179,6 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(results, handle, indent=2)
     print(json.dumps(results["versions"]))
     print(torchpatches.status()["lora"])
+    print(torchpatches.status()["lora_scale"])
     return 0
 
 

@@ -1,12 +1,12 @@
 """One module per patch; each exports ``PATCH`` (a :class:`torchpatches._declare.Patch`)."""
 
 #: Patch modules in the order they apply and are reported: compile-time patches, the FLUX eager fusions, those
-#: of SD3, Wan and QwenImage, then peft's LoRA layers.
+#: of SD3, Wan and QwenImage, then peft's LoRA layers and diffusers' LoRA scale walk.
 PATCH_MODULES = (
     "inductor_realize", "compile_warnings", "rope",
     "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
     "sd3_qk_norm", "sd3_block",
     "wan_block", "wan_qk_norm_rope",
     "qwenimage_block", "qwenimage_qk_norm_rope",
-    "lora",
+    "lora", "lora_scale",
 )
