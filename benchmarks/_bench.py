@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import torch  # noqa: E402
 
 __all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
-           "save_json", "compile_once", "command_line", "Clocks", "integer_rounding", "cuda_kernel", "host_us_per_call"]
+           "save_json", "compile_once", "command_line", "Clocks", "integer_rounding", "cuda_kernel", "host_us_per_call",
+           "stubbed_launches"]
 
 
 def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -316,6 +317,23 @@ def cuda_kernel(module: Any, kernel: Any) -> Iterator[None]:
         yield
     finally:
         module.kernel_for = original
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Every torchpatches kernel launch is a no-op (each ops module binds ``_launch.launch`` at import)."""
+    import importlib
+
+    names = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rope_triton", "_triton_common")
+    modules = [importlib.import_module(f"torchpatches.ops.{name}") for name in names]
+    saved = [m.launch_kernel for m in modules]
+    for m in modules:
+        m.launch_kernel = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for m, launch in zip(modules, saved):
+            m.launch_kernel = launch
 
 
 def host_us_per_call(fn: Callable[[], Any], batch: int, repeats: int, sync: Callable[[], Any]) -> float:

@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         for patch in args.without:
             without = min(row[f"-{patch}"]["median_ms"], row[f"-{patch}+"]["median_ms"])
             row[f"ratio_without_{patch}"] = without / van
-            print(f"[{name}] every patch but {patch} {row[f'-{patch}']['median_ms']:.2f}/"
-                  f"{row[f'-{patch}+']['median_ms']:.2f} ms ({without / van:.3f}x; host {row[f'-{patch}']['host_ms']:.1f}"
-                  f" / {row[f'-{patch}+']['host_ms']:.1f} ms, all {row['all']['host_ms']:.1f} / "
+            a, b = row[f"-{patch}"], row[f"-{patch}+"]
+            print(f"[{name}] every patch but {patch} {a['median_ms']:.2f}/{b['median_ms']:.2f} ms "
+                  f"({without / van:.3f}x; host {a['host_ms']:.1f} / {b['host_ms']:.1f} ms, all {row['all']['host_ms']:.1f} / "
                   f"{row['all+']['host_ms']:.1f} ms)", flush=True)
     return results
 

@@ -11,10 +11,14 @@ call, so its total exceeds the unprofiled host time; the split between groups is
     python benchmarks/host_profile.py --models flux1 --layers flux1=19+38 --top 30
     python benchmarks/host_profile.py --tiny --models flux1                           # CPU smoke test
     python benchmarks/host_profile.py --stub-kernels --models flux1 --layers flux1=19+38  # CPU: the fused path
+    python benchmarks/host_profile.py --models flux1 --lora scale --variants all,-lora_scale  # with peft adapters
 
 ``--stub-kernels`` (CPU, no GPU): the tiny configs in bf16 with the Triton tier forced and every kernel launch
 replaced by a no-op, so the fused path runs the same Python as on a GPU (minus ``ops._launch``'s cached launch
 and triton's launcher); its function calls per step are a host-independent measure of that Python.
+
+``--lora CASE`` (FLUX.1; needs peft): the model with ``flux_lora.py``'s adapters in that case's state (``one``,
+``two``, ``scale``, ``hotswap``; rank 64, on the CPU 4), the case's extra forward arguments included.
 """
 from __future__ import annotations
 
@@ -79,21 +83,17 @@ def profile_steps(step: Any, device: torch.device, steps: int, top: int) -> Dict
             "top": rows[:top]}
 
 
-@contextlib.contextmanager
-def stubbed_launches() -> Any:
-    """Every torchpatches kernel launch is a no-op (each ops module binds ``_launch.launch`` at import)."""
-    import importlib
+def with_adapters(model: torch.nn.Module, case: str, rank: int) -> Dict[str, Any]:
+    """``model`` with flux_lora.py's adapters in ``case``'s state (the earlier cases' setups run first, as there);
+    the case's extra forward arguments."""
+    import flux_lora
 
-    names = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rope_triton", "_triton_common")
-    modules = [importlib.import_module(f"torchpatches.ops.{name}") for name in names]
-    saved = [m.launch_kernel for m in modules]
-    for m in modules:
-        m.launch_kernel = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        for m, launch in zip(modules, saved):
-            m.launch_kernel = launch
+    for name, setup, extra in flux_lora.cases(model, rank):
+        setup()
+        if name == case:
+            model.eval()  # adapters are added in training mode
+            return extra
+    raise ValueError(f"no LoRA case {case!r}")
 
 
 def report(name: str, variant: str, result: Dict[str, Any]) -> None:
@@ -116,6 +116,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the harness's tiny configs on the CPU (PyTorch tiers)")
     parser.add_argument("--stub-kernels", action="store_true",
                         help="CPU: tiny configs in bf16, Triton tier forced, kernel launches stubbed")
+    parser.add_argument("--lora", choices=("one", "two", "scale", "hotswap"),
+                        help="FLUX.1 with flux_lora.py's peft adapters in this case's state")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.tiny = args.tiny or args.stub_kernels
@@ -127,9 +129,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from torchpatches.ops._tiers import force_tier
 
     tier = "triton" if args.stub_kernels else "torch" if args.tiny else None
-    with force_tier(tier), stubbed_launches() if args.stub_kernels else contextlib.nullcontext():
+    with force_tier(tier), _bench.stubbed_launches() if args.stub_kernels else contextlib.nullcontext():
         for name in opts.models:
             model, feed, _, config = dit.load(name, opts, device, dtype)
+            if args.lora:
+                feed = dict(feed, **with_adapters(model, args.lora, 4 if args.tiny else 64))
             step = functools.partial(model, **feed)
             entry = results["models"][name] = {"layers": list(dit.layers_of(dit.SPECS[name], config))}
             for variant in args.variants.split(","):

@@ -2,7 +2,8 @@
 
 For ``ops.modulate.layer_norm_modulate`` at a tiny shape (the kernel takes a few microseconds on the GPU, so
 a batch's wall time is host time): the public entry (argument checks, tier choice, output allocation, the
-Triton launch through ``ops._launch``), the Triton tier's ``launch`` called directly with prepared tensors,
+Triton launch through ``ops._launch``), its ``prechecked`` entry (what the fusion patterns call after their
+own checks), the Triton tier's ``launch`` called directly with prepared tensors,
 ``torch.empty`` of the output and ``x + 1`` for scale, and the helper the adaln pattern calls (its checks, then
 the op); medians of ``--repeats`` batches of ``--batch`` calls.
 Then cProfile over ``--profile-calls`` entry calls: the top functions by self time, per call.
@@ -25,14 +26,14 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from _bench import host_us_per_call
+from _bench import host_us_per_call, stubbed_launches
 
 
 def python_only(repeats: int) -> List[Dict[str, Any]]:
     """Best-of-``repeats`` microseconds of each modulate entry's Python (CPU tensors, launch stubbed)."""
     import timeit
 
-    from torchpatches.ops import _modulate_triton, modulate
+    from torchpatches.ops import modulate
     from torchpatches.ops._tiers import force_tier
 
     x, y = torch.randn(1, 16, 64, dtype=torch.bfloat16), torch.randn(1, 16, 64, dtype=torch.bfloat16)
@@ -44,21 +45,20 @@ def python_only(repeats: int) -> List[Dict[str, Any]]:
         "layer_norm_modulate ([B, D] vectors)": lambda: modulate.layer_norm_modulate(x, v, v),
         "gate_residual_layer_norm_modulate": lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, v, v),
         "gate_residual": lambda: modulate.gate_residual(x, g, y),
+        # The entry the patterns call once their checks passed.
+        "prechecked (norm + modulate)": lambda: modulate.prechecked(x, None, None, v, v, 1e-6),
+        "prechecked (gate + residual + norm + modulate)": lambda: modulate.prechecked(x, g, y, v, v, 1e-6),
         # What the adaln / gate_residual patterns call: their own checks, then the op.
         "patterns: modulated (adaln)": lambda: helpers.modulated(norm, x, v, v, fuse=True),
         "patterns: residual_modulated": lambda: helpers.residual_modulated(norm, x, g, y, v, v, fuse=True),
         "patterns: residual": lambda: helpers.residual(x, g, y, clip=False),
     }
-    launch, rows = _modulate_triton.launch_kernel, []
-    _modulate_triton.launch_kernel = lambda *args, **kwargs: None
-    try:
-        with force_tier("triton"):
-            for name, fn in calls.items():
-                fn()
-                best = min(timeit.repeat(fn, number=3000, repeat=repeats)) / 3000 * 1e6
-                rows.append(dict(call=name, host_us=best))
-    finally:
-        _modulate_triton.launch_kernel = launch
+    rows = []
+    with force_tier("triton"), stubbed_launches():
+        for name, fn in calls.items():
+            fn()
+            best = min(timeit.repeat(fn, number=3000, repeat=repeats)) / 3000 * 1e6
+            rows.append(dict(call=name, host_us=best))
     return rows
 
 
@@ -89,6 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "ops.modulate.layer_norm_modulate (public entry)": lambda: modulate.layer_norm_modulate(x, v, v),
         "_modulate_triton.launch (kernel tier, prepared)": lambda: _modulate_triton.launch(
             x, None, None, v3, v3, None, out, eps=1e-6, clip=False),
+        "ops.modulate.prechecked (what the patterns call)": lambda: modulate.prechecked(x, None, None, v, v, 1e-6),
         "torch.empty (the output)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
         "x + 1 (one torch op)": lambda: x + 1,
     }

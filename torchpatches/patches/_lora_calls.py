@@ -12,14 +12,14 @@ wanted through ``x`` or any parameter of the layer) come first. Anything else: `
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 
 from .._lazy import lazy_module
 from ._fused_common import FALLBACK, fusable, pattern_on, stock
 
-__all__ = ["LAYER", "served_adapters", "lora_linear", "lora_gelu"]
+__all__ = ["LAYER", "lora_linear", "lora_gelu"]
 
 #: peft's LoRA layer module (the ``lora`` pattern's target lives there).
 LAYER = "peft.tuners.lora.layer"
@@ -27,8 +27,8 @@ LAYER = "peft.tuners.lora.layer"
 _PARAMETER_TYPES = (torch.nn.Parameter, torch.Tensor)
 
 
-def _fits(t: Optional[torch.Tensor], x: torch.Tensor) -> bool:
-    return t is None or (type(t) in _PARAMETER_TYPES and t.dtype == x.dtype and t.device == x.device)
+def _fits(t: Any, dtype: torch.dtype, device: torch.device) -> bool:
+    return type(t) in _PARAMETER_TYPES and t.dtype == dtype and t.device == device
 
 
 def _identity_dropout(dropout: Any) -> bool:
@@ -64,13 +64,15 @@ def _stock_adapter(layer: Any, modules: dict, name: str, x: torch.Tensor) -> Opt
     if a_params.get("bias") is not None or b_params.get("bias") is not None:
         return None
     wa, wb = a_params["weight"], b_params["weight"]
-    if not (_identity_dropout(modules["lora_dropout"]._modules[name]) and _fits(wa, x) and _fits(wb, x)):
+    dtype, device = x.dtype, x.device
+    dropout = modules["lora_dropout"]._modules[name]
+    if not (_fits(wa, dtype, device) and _fits(wb, dtype, device) and _identity_dropout(dropout)):
         return None
     scaling = layer.scaling[name]
-    return (wa, wb, scaling) if _plain_scaling(scaling, x) else None
+    return (wa, wb, scaling) if type(scaling) is float or _plain_scaling(scaling, x) else None
 
 
-def _served(layer: Any, x: Any) -> Optional[tuple]:
+def _weights_if_served(layer: Any, x: Any) -> Optional[tuple]:
     """(base weight, base bias, active adapters as ``(A, B, scaling)`` in peft's order), or None: peft's code runs."""
     peft_layer = sys.modules.get(LAYER)
     if peft_layer is None or type(layer) is not peft_layer.Linear:
@@ -81,8 +83,11 @@ def _served(layer: Any, x: Any) -> Optional[tuple]:
     base = modules["base_layer"]
     if not stock(base, torch.nn.Linear):
         return None
-    weight, bias = base._parameters["weight"], base._parameters.get("bias")
-    if not (_fits(weight, x) and _fits(bias, x) and x.dim() >= 1 and x.shape[-1] == weight.shape[1]):
+    params = base._parameters
+    weight, bias = params["weight"], params.get("bias")
+    dtype, device = x.dtype, x.device
+    if not (_fits(weight, dtype, device) and (bias is None or _fits(bias, dtype, device))
+            and x.dim() >= 1 and x.shape[-1] == weight.shape[1]):
         return None
     adapters = []
     lora_a = modules["lora_A"]._modules
@@ -96,25 +101,19 @@ def _served(layer: Any, x: Any) -> Optional[tuple]:
     return weight, bias, adapters
 
 
-def served_adapters(layer: Any, x: Any) -> Optional[List[tuple]]:
-    """The active adapters of ``layer`` as ``(A, B, scaling)`` in peft's order, or None: peft's code runs."""
-    served = _served(layer, x)
-    return None if served is None else served[2]
-
-
 #: ``torchpatches.ops.lora``, imported with the first served call.
 _lora_ops = lazy_module("torchpatches.ops.lora")
 
 
-# Both calls take ops.lora's epilogue tier without its checks: _served has checked every tensor (plain, of x's
-# dtype and device, no gradient wanted: fusable covers x and every parameter of the layer, _plain_scaling the
-# scalings), and the fused method has stepped aside for tracing and transforms (host time: ~500 LoRA layers
+# Both calls take ops.lora's epilogue tier without its checks: _weights_if_served has checked every tensor (plain,
+# of x's dtype and device, no gradient wanted: fusable covers x and every parameter of the layer, _plain_scaling
+# the scalings), and the fused method has stepped aside for tracing and transforms (host time: ~500 LoRA layers
 # per FLUX.1 step).
 
 
 def lora_linear(layer: Any, x: Any) -> Any:
     """peft's ``Linear.forward(x)`` through the GEMM-epilogue op, or ``FALLBACK``."""
-    served = _served(layer, x)
+    served = _weights_if_served(layer, x)
     if served is None:
         return FALLBACK
     weight, bias, adapters = served
@@ -128,7 +127,7 @@ def lora_gelu(proj: Any, x: Any) -> Any:
     peft_layer = sys.modules.get(LAYER)
     if peft_layer is None or not stock(proj, peft_layer.Linear) or not pattern_on("lora"):
         return FALLBACK
-    served = _served(proj, x)
+    served = _weights_if_served(proj, x)
     if served is None:
         return FALLBACK
     weight, bias, adapters = served

@@ -23,9 +23,9 @@ What the patch changes
 
 Versions
     diffusers 0.35 - 0.42: both functions fingerprinted with tools/fingerprint_diffusers.py in 0.35.0, 0.35.2,
-    0.36.0, 0.37.0, 0.38.0, 0.39.0, 0.40.0, 0.41.0, 0.42.0 and 0.42.1 (installed, tested); ``unscale_lora_layers`` has two
-    sources, differing in one type hint. With peft installed (the functions import it; without peft the decorator
-    never calls them). Any torch.
+    0.36.0, 0.37.0, 0.38.0, 0.39.0, 0.40.0, 0.41.0, 0.42.0 and 0.42.1 (installed, tested);
+    ``unscale_lora_layers`` has two sources, differing in one type hint. With peft installed (the functions import
+    it; without peft the decorator never calls them). Any torch.
 
 When to delete
     When diffusers scales LoRA layers without walking the whole module tree per forward (a list of tuner layers

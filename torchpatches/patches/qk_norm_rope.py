@@ -94,12 +94,12 @@ def _split_heads(attn: Any, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.unflatten(-1, (-1, attn.head_dim)) for t in tensors]
 
 
-def _projections_fit(x: torch.Tensor, group: tuple, ref: torch.Tensor) -> bool:
+def _projections_fit(x: torch.Tensor, group: tuple) -> bool:
     """Each ``[B, S, H, D]`` projection of a group is a plain tensor of ``x``'s dtype and device, of one shape,
-    with ``ref``'s batch, heads and head dim, and no expanded dim (two outputs in one place): what
+    with ``x``'s batch, heads and head dim, and no expanded dim (two outputs in one place): what
     ``ops.qk_norm_rope`` checks, checked here so the pattern can call its ``prechecked`` entry."""
     shape = group[0].shape
-    if len(shape) != 4 or shape[0] != ref.shape[0] or shape[2:] != ref.shape[2:]:
+    if len(shape) != 4 or shape[0] != x.shape[0] or shape[2:] != x.shape[2:]:
         return False
     for t in group:
         if type(t) is not torch.Tensor or t.dtype != x.dtype or t.device != x.device or t.shape != shape:
@@ -124,9 +124,9 @@ def _fused_qkv(attn: Any, query, key, value, encoder_query, encoder_key, encoder
             return None
         encoder_query, encoder_key, encoder_value = _split_heads(attn, encoder_query, encoder_key, encoder_value)
     x = query
-    if x.dtype not in FLOAT_DTYPES or x.shape[-1] % 2 or not _projections_fit(x, (query, key, value), x):
+    if x.dtype not in FLOAT_DTYPES or x.shape[-1] % 2 or not _projections_fit(x, (query, key, value)):
         return None  # the head dim must be even for interleaved RoPE
-    if joint and not _projections_fit(x, (encoder_query, encoder_key, encoder_value), x):
+    if joint and not _projections_fit(x, (encoder_query, encoder_key, encoder_value)):
         return None
     rows = query.shape[1] + (encoder_query.shape[1] if joint else 0)
     if not (_rotary_fits(image_rotary_emb, query, rows) and _norms_ok(attn, query, joint)):
