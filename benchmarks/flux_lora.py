@@ -12,12 +12,15 @@ diffusers' ``load_lora_adapter``. Cases, in this order on one model:
             ranks padded, scalings in 0-d tensors) + ``load_lora_adapter(..., hotswap=True)``
 
 Each case: eager vanilla (every patch reverted) and eager with every patch, alternated A B A B (and once
-every patch but ``lora``), median of CUDA-event-timed steps; output difference against vanilla.
+every patch but ``lora``), median of CUDA-event-timed steps; output difference against vanilla. ``--graphed``
+adds both states through ``torchpatches.cuda_graphs.graphed`` (one wrapper for the run: a case's adapter changes
+drop its graphs; the first call of each state and case captures) to the alternation.
 
     python benchmarks/flux_lora.py --json lora.json          # GPU
     python benchmarks/flux_lora.py --layers                   # one layer per FLUX.1-dev shape: op vs peft's order
     python benchmarks/flux_lora.py --tiny                     # CPU smoke test (PyTorch tiers forced)
     python benchmarks/flux_lora.py --without lora_scale       # also every patch but lora_scale, alternated
+    python benchmarks/flux_lora.py --graphed                  # also through cuda_graphs.graphed (opt-in), both states
 """
 from __future__ import annotations
 
@@ -119,15 +122,22 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     model = build("flux1", config, device, dtype)
     feed = inputs("flux1", config, side, text, device, dtype)
     results: Dict[str, Any] = {"versions": versions(), "rank": args.rank, "cases": {}}
+    graph = None
+    if args.graphed:  # one wrapper: each case's adapters drop its graphs, each patch state finds its own
+        from torchpatches.cuda_graphs import graphed
+
+        graph = graphed(model)
     for name, setup, extra in cases(model, args.rank):
         setup()
         model.eval()  # adapters are added in training mode (their dropout is nn.Identity here anyway)
         row: Dict[str, Any] = {}
         outputs: Dict[str, torch.Tensor] = {}
         first = ("vanilla", "all") + (("checked",) if args.checked else ()) + tuple(f"-{n}" for n in args.without)
+        first += ("graph:vanilla", "graph:all") if graph is not None else ()
         for variant in first + tuple(v + "+" for v in first) + ("-lora",):  # A B (C) A B (C)
-            with state(variant), torch.inference_mode():
-                step = lambda: model(**feed, **extra)  # noqa: E731
+            call = graph if variant.startswith("graph:") else model
+            with state(variant.split(":", 1)[-1]), torch.inference_mode():
+                step = lambda: call(**feed, **extra)  # noqa: E731
                 outputs[variant] = step()[0].float()
                 row[variant] = measure(step, device, args)
         van = min(row["vanilla"]["median_ms"], row["vanilla+"]["median_ms"])
@@ -146,6 +156,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             print(f"[{name}] patterns through the checked entries {row['checked']['median_ms']:.2f}/"
                   f"{row['checked+']['median_ms']:.2f} ms ({row['ratio_checked']:.3f}x; host "
                   f"{row['checked']['host_ms']:.1f} ms)", flush=True)
+        if graph is not None:
+            for kind in ("vanilla", "all"):
+                best = min(row[f"graph:{kind}"]["median_ms"], row[f"graph:{kind}+"]["median_ms"])
+                row[f"ratio_graph_{kind}"] = best / van
+                row[f"rel_err_graph_{kind}"] = rel_err(outputs[f"graph:{kind}"], outputs[kind])
+            print(f"[{name}] graphed: vanilla {row['ratio_graph_vanilla']:.3f}x, every patch {row['ratio_graph_all']:.3f}x "
+                  f"(host {row['graph:all']['host_ms']:.1f} ms; against eager of the same state: rel err "
+                  f"{row['rel_err_graph_vanilla']:.1e} / {row['rel_err_graph_all']:.1e})", flush=True)
         for patch in args.without:
             without = min(row[f"-{patch}"]["median_ms"], row[f"-{patch}+"]["median_ms"])
             row[f"ratio_without_{patch}"] = without / van
@@ -167,6 +185,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also the 'checked' variant: the patterns through the ops' checked entries")
     parser.add_argument("--without", action="append", default=[], metavar="PATCH",
                         help="also every patch but PATCH, in the A B alternation (repeatable): --without lora_scale")
+    parser.add_argument("--graphed", action="store_true",
+                        help="also the step through torchpatches.cuda_graphs.graphed, vanilla and every patch")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.rank = args.rank or (4 if args.tiny else 64)
