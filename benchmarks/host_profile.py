@@ -17,7 +17,8 @@ call, so its total exceeds the unprofiled host time; the split between groups is
 replaced by a no-op, so the fused path runs the same Python as on a GPU (minus ``ops._launch``'s cached launch
 and triton's launcher); its function calls per step are a host-independent measure of that Python.
 
-``--lora CASE`` (FLUX.1; needs peft): the model with ``flux_lora.py``'s adapters in that case's state (``one``,
+``--graphed``: the step through ``torchpatches.cuda_graphs.graphed`` (one wrapper; each variant captures its graph
+in the first, untimed call). ``--lora CASE`` (FLUX.1; needs peft): the model with ``flux_lora.py``'s adapters in that case's state (``one``,
 ``two``, ``scale``, ``hotswap``; rank 64, on the CPU 4), the case's extra forward arguments included.
 """
 from __future__ import annotations
@@ -118,6 +119,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="CPU: tiny configs in bf16, Triton tier forced, kernel launches stubbed")
     parser.add_argument("--lora", choices=("one", "two", "scale", "hotswap"),
                         help="FLUX.1 with flux_lora.py's peft adapters in this case's state")
+    parser.add_argument("--graphed", action="store_true",
+                        help="the step through torchpatches.cuda_graphs.graphed (after its capture)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.tiny = args.tiny or args.stub_kernels
@@ -134,7 +137,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             model, feed, _, config = dit.load(name, opts, device, dtype)
             if args.lora:
                 feed = dict(feed, **with_adapters(model, args.lora, 4 if args.tiny else 64))
-            step = functools.partial(model, **feed)
+            call = model
+            if args.graphed:
+                from torchpatches.cuda_graphs import graphed
+
+                call = graphed(model)
+            step = functools.partial(call, **feed)
             entry = results["models"][name] = {"layers": list(dit.layers_of(dit.SPECS[name], config))}
             for variant in args.variants.split(","):
                 with _bench.state(variant), torch.inference_mode():
