@@ -167,6 +167,35 @@ def test_under_compile_diffusers_walk_runs(peft_utils: Any, monkeypatch: pytest.
     assert scalings(model) == scalings(twin)
 
 
+def test_compiled_scale_traces_in_one_graph(peft_utils: Any) -> None:
+    """Dynamo traces the replacement (diffusers' walk inside it) with ``fullgraph=True``: the same output and the
+    scaling back where it was, as with diffusers' functions."""
+    import peft
+
+    import torchpatches
+
+    model = peft.inject_adapter_in_model(
+        peft.LoraConfig(r=2, lora_alpha=2, target_modules=["0"], init_lora_weights=False),
+        torch.nn.Sequential(torch.nn.Linear(8, 8))).eval()
+    x = torch.randn(3, 8)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        peft_utils.scale_lora_layers(model, 0.5)
+        y = model(x)
+        peft_utils.unscale_lora_layers(model, 0.5)
+        return y
+
+    with torch.no_grad():
+        ref = step(x)
+        with torchpatches.disabled("lora_scale"):
+            torch._dynamo.reset()
+            ref_compiled = torch.compile(step, backend="eager", fullgraph=True)(x)
+        torch._dynamo.reset()
+        out = torch.compile(step, backend="eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    assert torch.equal(out, ref) and torch.equal(ref_compiled, ref) and model[0].scaling == {"default": 1.0}
+
+
 def test_without_peft_the_same_import_error(peft_utils: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
