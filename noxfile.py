@@ -134,7 +134,8 @@ def _tests(session: nox.Session, version: str, selection: str) -> None:
     # One worker per core, each test file in one worker (a file's tests keep their order and fixtures): the
     # suite is CPU-bound Python (Dynamo, Inductor's lowering): on 2 cores the torch 2.15.0 suite took 393 s
     # instead of 665 s (same 771 passed, 61 skipped).
-    _pytest(session, "-m", selection, "-n", "auto", "--dist", "loadfile")
+    # --durations: the slowest tests in every CI log, for the time budget (docs/development.md)
+    _pytest(session, "-m", selection, "-n", "auto", "--dist", "loadfile", "--durations=15")
 
 
 def _register(version: str, why: str, selection: str, default: bool) -> None:
