@@ -76,6 +76,16 @@ def test_what_diffusers_walk_must_answer() -> None:
     assert tuner_layers(None, Layer) is None and tuner_layers(object(), Layer) is None
 
 
+def test_a_walk_override_set_after_a_walk_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Late(torch.nn.Module):
+        pass
+
+    model = torch.nn.Sequential(Layer(), Late())
+    assert tuner_layers(model, Layer) == [model[0]]
+    monkeypatch.setattr(Late, "named_modules", OwnWalk.named_modules, raising=False)
+    assert tuner_layers(model, Layer) is None
+
+
 def test_abc_register_after_a_walk_is_seen() -> None:
     class Marker(abc.ABC):
         pass

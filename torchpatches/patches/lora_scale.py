@@ -55,18 +55,20 @@ _SCALE_ALIASES = (
 _UNSCALE_ALIASES = tuple(alias.replace(":scale_", ":unscale_") for alias in _SCALE_ALIASES)
 
 _MODULE_WALK = (torch.nn.Module.modules, torch.nn.Module.named_modules)
-# What the walk does with a class's instances: skip them (None children), refuse (an own walk), or visit them.
+# What a walk does with a class's instances: skip them (None children), refuse (an own walk), or visit them.
 _SKIP, _REFUSE, _OTHER, _LAYER = range(4)
-#: (layer class, abc cache token) -> {class: what the walk does with its instances}.
-_KINDS: Dict[tuple, Dict[type, int]] = {}
+#: (layer class, abc cache token) -> {class: is a subclass of the layer class}.
+_IS_LAYER: Dict[tuple, Dict[type, bool]] = {}
 
 
-def _kind(cls: type, layer_class: type) -> int:
-    if cls is type(None):
-        return _SKIP  # named_modules skips None children
+def _kind(cls: type, layer_class: type, is_layer: Dict[type, bool]) -> int:
+    """Read again in every walk: a class's ``modules`` / ``named_modules`` may be replaced between two walks."""
     if cls.modules is not _MODULE_WALK[0] or cls.named_modules is not _MODULE_WALK[1]:
         return _REFUSE
-    return _LAYER if issubclass(cls, layer_class) else _OTHER
+    layer = is_layer.get(cls)
+    if layer is None:
+        layer = is_layer[cls] = issubclass(cls, layer_class)
+    return _LAYER if layer else _OTHER
 
 
 def tuner_layers(model: Any, layer_class: type) -> Optional[List[Any]]:
@@ -76,10 +78,11 @@ def tuner_layers(model: Any, layer_class: type) -> Optional[List[Any]]:
     if not isinstance(model, torch.nn.Module):
         return None
     key = (layer_class, abc.get_cache_token())
-    kinds = _KINDS.get(key)
-    if kinds is None:
-        _KINDS.clear()  # an ABC.register anywhere, or another peft class: decide every class again
-        kinds = _KINDS[key] = {}
+    is_layer = _IS_LAYER.get(key)
+    if is_layer is None:
+        _IS_LAYER.clear()  # an ABC.register anywhere, or another peft class: decide every class again
+        is_layer = _IS_LAYER[key] = {}
+    kinds: Dict[type, int] = {type(None): _SKIP}  # this walk's (named_modules skips None children)
     found: List[Any] = []
     memo: set = set()  # named_modules' memo: a module reached twice is visited once
     stack = [model]
@@ -93,7 +96,7 @@ def tuner_layers(model: Any, layer_class: type) -> Optional[List[Any]]:
             cls = type(module)
             kind = kind_of(cls)
             if kind is None:
-                kind = kinds[cls] = _kind(cls, layer_class)
+                kind = kinds[cls] = _kind(cls, layer_class, is_layer)
             if kind == _SKIP:
                 continue
             instance = module.__dict__
