@@ -86,6 +86,18 @@ def test_a_walk_override_set_after_a_walk_is_seen(monkeypatch: pytest.MonkeyPatc
     assert tuner_layers(model, Layer) is None
 
 
+def test_classes_made_at_run_time_are_not_kept_alive() -> None:
+    import gc
+    import weakref
+
+    made = type("Made", (torch.nn.Module,), {})
+    assert tuner_layers(torch.nn.Sequential(made()), Layer) == []
+    gone = weakref.ref(made)
+    del made
+    gc.collect()
+    assert gone() is None
+
+
 def test_abc_register_after_a_walk_is_seen() -> None:
     class Marker(abc.ABC):
         pass

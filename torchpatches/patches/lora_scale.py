@@ -35,6 +35,7 @@ When to delete
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -57,11 +58,12 @@ _UNSCALE_ALIASES = tuple(alias.replace(":scale_", ":unscale_") for alias in _SCA
 _MODULE_WALK = (torch.nn.Module.modules, torch.nn.Module.named_modules)
 # What a walk does with a class's instances: skip them (None children), refuse (an own walk), or visit them.
 _SKIP, _REFUSE, _OTHER, _LAYER = range(4)
-#: (layer class, abc cache token) -> {class: is a subclass of the layer class}.
-_IS_LAYER: Dict[tuple, Dict[type, bool]] = {}
+#: (layer class, abc cache token) -> {class: is a subclass of the layer class}; weak, so that classes made at run
+#: time are not kept alive by it (a walk looks it up once per class).
+_IS_LAYER: Dict[tuple, "weakref.WeakKeyDictionary[type, bool]"] = {}
 
 
-def _kind(cls: type, layer_class: type, is_layer: Dict[type, bool]) -> int:
+def _kind(cls: type, layer_class: type, is_layer: Any) -> int:
     """Read again in every walk: a class's ``modules`` / ``named_modules`` may be replaced between two walks."""
     if cls.modules is not _MODULE_WALK[0] or cls.named_modules is not _MODULE_WALK[1]:
         return _REFUSE
@@ -81,7 +83,7 @@ def tuner_layers(model: Any, layer_class: type) -> Optional[List[Any]]:
     is_layer = _IS_LAYER.get(key)
     if is_layer is None:
         _IS_LAYER.clear()  # an ABC.register anywhere, or another peft class: decide every class again
-        is_layer = _IS_LAYER[key] = {}
+        is_layer = _IS_LAYER[key] = weakref.WeakKeyDictionary()
     kinds: Dict[type, int] = {type(None): _SKIP}  # this walk's (named_modules skips None children)
     found: List[Any] = []
     memo: set = set()  # named_modules' memo: a module reached twice is visited once
