@@ -18,8 +18,9 @@ replaced by a no-op, so the fused path runs the same Python as on a GPU (minus `
 and triton's launcher); its function calls per step are a host-independent measure of that Python.
 
 ``--graphed``: the step through ``torchpatches.cuda_graphs.graphed`` (one wrapper; each variant captures its graph
-in the first, untimed call). ``--lora CASE`` (FLUX.1; needs peft): the model with ``flux_lora.py``'s adapters in that case's state (``one``,
-``two``, ``scale``, ``hotswap``; rank 64, on the CPU 4), the case's extra forward arguments included.
+in the first, untimed call). ``--lora CASE`` (FLUX.1; needs peft): the model with ``flux_lora.py``'s adapters in
+that case's state (``one``, ``two``, ``scale``, ``hotswap``; rank 64, on the CPU 4), the case's extra forward
+arguments included.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def _stock_adapter(layer: Any, modules: dict, name: str, x: torch.Tensor) -> Opt
     if not (_fits(wa, dtype, device) and _fits(wb, dtype, device) and _identity_dropout(dropout)):
         return None
     scaling = layer.scaling[name]
-    return (wa, wb, scaling) if type(scaling) is float or _plain_scaling(scaling, x) else None
+    return (wa, wb, scaling) if _plain_scaling(scaling, x) else None
 
 
 def _weights_if_served(layer: Any, x: Any) -> Optional[tuple]:
