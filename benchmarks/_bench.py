@@ -82,6 +82,22 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters
     return times, host
 
 
+def time_back_to_back(step: Callable[[], Any], iters: int, repeats: int) -> List[float]:
+    """ms per step of ``iters`` steps enqueued without a synchronization between them (as a pipeline's loop runs
+    them: the host's work for step n+1 overlaps the GPU's for step n), one figure per repeat, CUDA events."""
+    per: List[float] = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            step()
+        end.record()
+        end.synchronize()
+        per.append(start.elapsed_time(end) / iters)
+    return per
+
+
 class Clocks:
     """The GPU's SM clock (MHz), power draw (W) and active clock-event (throttle) reasons, sampled every 50 ms by
     ``nvidia-smi -lms`` in the background, so a row's GPU time can be read against the clock it ran at (issue 17:

@@ -21,6 +21,9 @@ drop its graphs; the first call of each state and case captures) to the alternat
     python benchmarks/flux_lora.py --tiny                     # CPU smoke test (PyTorch tiers forced)
     python benchmarks/flux_lora.py --without lora_scale       # also every patch but lora_scale, alternated
     python benchmarks/flux_lora.py --graphed                  # also through cuda_graphs.graphed (opt-in), both states
+    python benchmarks/flux_lora.py --graphed --unwatched      # and graphed(watch_model=False): the check's share
+    python benchmarks/flux_lora.py --graphed --watch-baseline REV   # and the model check of revision REV
+    python benchmarks/flux_lora.py --cases one,two --back-to-back 10  # two cases; also steps not synchronized
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flux_fused import CONFIGS, TINY, build, inputs, rel_err, state, time_steps, versions  # noqa: E402
+from _bench import time_back_to_back  # noqa: E402
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
@@ -111,7 +115,10 @@ def layers(args: argparse.Namespace) -> Dict[str, Any]:
 
 def measure(step: Callable[[], Any], device: torch.device, args: argparse.Namespace) -> Dict[str, Any]:
     times, host = time_steps(step, device, args.warmup, args.iters)
-    return {"median_ms": statistics.median(times), "host_ms": statistics.median(host), "times_ms": times}
+    row = {"median_ms": statistics.median(times), "host_ms": statistics.median(host), "times_ms": times}
+    if args.back_to_back and device.type == "cuda":
+        row["back_to_back_ms"] = statistics.median(time_back_to_back(step, args.back_to_back, 3))
+    return row
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -122,20 +129,39 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     model = build("flux1", config, device, dtype)
     feed = inputs("flux1", config, side, text, device, dtype)
     results: Dict[str, Any] = {"versions": versions(), "rank": args.rank, "cases": {}}
-    graph = None
+    graph = unwatched = graph_baseline = None
+    check_times: Dict[str, List[float]] = {}
     if args.graphed:  # one wrapper: each case's adapters drop its graphs, each patch state finds its own
         from torchpatches.cuda_graphs import graphed
 
         graph = graphed(model)
+        # the same without the model check before each replay (reset by hand after each case's changes)
+        unwatched = graphed(model, watch_model=False) if args.unwatched else None
+        if args.watch_baseline:  # a third wrapper whose model check is ModelWatch as another revision wrote it
+            from model_watch import watch_class_at
+
+            graph_baseline = graphed(model)
+            baseline_class = watch_class_at(args.watch_baseline)
+            check_times["baseline"], check_times["current"] = [], []
+            timed_checks(graph_baseline, check_times["baseline"], baseline_class)
+            timed_checks(graph, check_times["current"], None)
     for name, setup, extra in cases(model, args.rank):
         setup()
         model.eval()  # adapters are added in training mode (their dropout is nn.Identity here anyway)
+        if args.cases and name not in args.cases:
+            continue  # each case's setup builds on the one before, so it runs all the same
+        if unwatched is not None:
+            unwatched.reset()
         row: Dict[str, Any] = {}
         outputs: Dict[str, torch.Tensor] = {}
         first = ("vanilla", "all") + (("checked",) if args.checked else ()) + tuple(f"-{n}" for n in args.without)
         first += ("graph:vanilla", "graph:all") if graph is not None else ()
+        first += ("unwatched:all",) if unwatched is not None else ()
+        first += ("baseline:all",) if graph_baseline is not None else ()
+        for times in check_times.values():
+            times.clear()
         for variant in first + tuple(v + "+" for v in first) + ("-lora",):  # A B (C) A B (C)
-            call = graph if variant.startswith("graph:") else model
+            call = {"graph": graph, "unwatched": unwatched, "baseline": graph_baseline}.get(variant.split(":")[0], model)
             with state(variant.split(":", 1)[-1]), torch.inference_mode():
                 step = lambda: call(**feed, **extra)  # noqa: E731
                 outputs[variant] = step()[0].float()
@@ -146,6 +172,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         row["ratio_without_lora"] = row["-lora"]["median_ms"] / van
         row["rel_err_vs_vanilla"] = rel_err(outputs["all"], outputs["vanilla"])
         results["cases"][name] = row
+        if args.back_to_back:
+            print(f"[{name}] back to back (ms per step of {args.back_to_back}, median of 3): " + ", ".join(
+                f"{variant} {row[variant]['back_to_back_ms']:.2f}" for variant in first if "back_to_back_ms" in
+                row[variant]), flush=True)
         print(f"[{name}] vanilla {row['vanilla']['median_ms']:.2f}/{row['vanilla+']['median_ms']:.2f} ms, "
               f"torchpatches {row['all']['median_ms']:.2f}/{row['all+']['median_ms']:.2f} ms ({row['ratio']:.3f}x; "
               f"host {row['all']['host_ms']:.1f} ms), all but lora {row['-lora']['median_ms']:.2f} ms "
@@ -164,6 +194,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             print(f"[{name}] graphed: vanilla {row['ratio_graph_vanilla']:.3f}x, every patch {row['ratio_graph_all']:.3f}x "
                   f"(host {row['graph:all']['host_ms']:.1f} ms; against eager of the same state: rel err "
                   f"{row['rel_err_graph_vanilla']:.1e} / {row['rel_err_graph_all']:.1e})", flush=True)
+        if unwatched is not None:
+            best = min(row["unwatched:all"]["median_ms"], row["unwatched:all+"]["median_ms"])
+            row["ratio_unwatched_all"] = best / van
+            row["rel_err_unwatched_all"] = rel_err(outputs["unwatched:all"], outputs["all"])
+            print(f"[{name}] graphed without the model check: every patch {row['ratio_unwatched_all']:.3f}x (host "
+                  f"{row['unwatched:all']['host_ms']:.1f} ms; rel err against eager {row['rel_err_unwatched_all']:.1e})",
+                  flush=True)
         for patch in args.without:
             without = min(row[f"-{patch}"]["median_ms"], row[f"-{patch}+"]["median_ms"])
             row[f"ratio_without_{patch}"] = without / van
@@ -171,7 +208,33 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             print(f"[{name}] every patch but {patch} {a['median_ms']:.2f}/{b['median_ms']:.2f} ms "
                   f"({without / van:.3f}x; host {a['host_ms']:.1f} / {b['host_ms']:.1f} ms, all {row['all']['host_ms']:.1f} / "
                   f"{row['all+']['host_ms']:.1f} ms)", flush=True)
+        if graph_baseline is not None:
+            best = min(row["baseline:all"]["median_ms"], row["baseline:all+"]["median_ms"])
+            row["ratio_baseline_all"] = best / van
+            row["check_ms"] = {k: statistics.median(v) if v else float("nan") for k, v in check_times.items()}
+            print(f"[{name}] graphed, {args.watch_baseline}'s model check: every patch {row['ratio_baseline_all']:.3f}x "
+                  f"(host {row['baseline:all']['host_ms']:.1f} ms); check in the step, median: "
+                  f"{row['check_ms']['baseline']:.2f} ms, this tree's {row['check_ms']['current']:.2f} ms", flush=True)
     return results
+
+
+def timed_checks(wrapper: Any, times: List[float], watch_class: Any) -> None:
+    """Record the wall ms of each model check ``wrapper`` makes, made with ``watch_class`` if one is given."""
+    import torchpatches.cuda_graphs as cuda_graphs
+
+    check = wrapper._check_model
+
+    def timed() -> None:
+        saved = cuda_graphs.ModelWatch
+        if watch_class is not None:
+            cuda_graphs.ModelWatch = watch_class
+        t0 = time.perf_counter()
+        try:
+            check()
+        finally:
+            times.append((time.perf_counter() - t0) * 1e3)
+            cuda_graphs.ModelWatch = saved
+    wrapper._check_model = timed
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -187,6 +250,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also every patch but PATCH, in the A B alternation (repeatable): --without lora_scale")
     parser.add_argument("--graphed", action="store_true",
                         help="also the step through torchpatches.cuda_graphs.graphed, vanilla and every patch")
+    parser.add_argument("--unwatched", action="store_true",
+                        help="with --graphed: also every patch through graphed(watch_model=False), the model check's share")
+    parser.add_argument("--watch-baseline", metavar="REV",
+                        help="with --graphed: also every patch through a wrapper whose model check is ModelWatch as "
+                        "git revision REV (or a copy of its _graph_keys.py) wrote it; prints each check's time")
+    parser.add_argument("--cases", type=lambda text: text.split(","), default=None,
+                        help="comma-separated cases to measure (one,two,scale,hotswap; default all)")
+    parser.add_argument("--back-to-back", type=int, default=0, metavar="N",
+                        help="also each variant's ms per step over N steps without a synchronization between them")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     args.rank = args.rank or (4 if args.tiny else 64)

@@ -183,6 +183,51 @@ def test_model_changes_recapture(net: Net, change: str) -> None:
     assert _captures_after(w, x, changes[change]) == 1
 
 
+class Pair(torch.nn.Module):
+    """Two containers of submodules, so a child can move from one to the other with the totals unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left, self.right = torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.Sequential()
+        self.register_buffer("offset", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor]:
+        return (self.right(self.left(x)) + self.offset,)
+
+
+@pytest.mark.parametrize("change", [
+    "child_moved", "children_swapped", "container_replaced", "buffer_replaced", "parameter_to_none",
+    "equal_processor", "active_list_mutated",
+])
+def test_model_changes_by_identity_recapture(change: str) -> None:
+    """What ModelWatch compares by identity or by count: a change that keeps every total and every value."""
+    model = Pair()
+    model.processor, model.scaling, model._active_adapter = ("plain",), {"a": 1.0}, ["a"]
+    layer = model.left[0]
+    changes = {
+        "child_moved": lambda: model.right.append(model.left._modules.pop("0")),
+        "children_swapped": lambda: (setattr(model, "left", model.right), setattr(model, "right", model.left)),
+        "container_replaced": lambda: setattr(model.left, "_modules", {"0": torch.nn.Linear(4, 4)}),
+        "buffer_replaced": lambda: setattr(model, "offset", torch.zeros(4)),
+        "parameter_to_none": lambda: setattr(layer, "bias", None),
+        "equal_processor": lambda: setattr(model, "processor", tuple(["plain"])),  # equal, another object
+        "active_list_mutated": lambda: model._active_adapter.append("b"),
+    }
+    w, x = wrap(model), torch.randn(2, 4)
+    assert _captures_after(w, x, changes[change]) == 1
+
+
+def test_unchanged_model_keeps_its_graph_after_a_round_trip(net: Net) -> None:
+    """Values that come back (a scaling set and restored, a hook added and removed) find the graph again."""
+    w, x = wrap(net), torch.randn(2, 4)
+
+    def round_trip() -> None:
+        net.scaling["default"] = 0.5
+        net.scaling["default"] = 1.0
+        net.proj.register_forward_hook(lambda m, i, o: o).remove()
+    assert _captures_after(w, x, round_trip) == 0
+
+
 def test_to_recaptures(net: Net) -> None:
     w, x = wrap(net), torch.randn(2, 4)
     with torch.inference_mode():

@@ -18,8 +18,10 @@ same memory.
 from __future__ import annotations
 
 import enum
+import itertools
+import operator
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -122,13 +124,25 @@ def _adapter_state(d: Dict[str, Any]) -> Tuple[Any, ...]:
             d.get("_disable_adapters"), len(d.get("merged_adapters") or ()))
 
 
+# The per-module entries a check reads, fetched in one pass over the modules' dicts and flattened as they come:
+# the check's cost follows the module count (6,229 in FLUX.1 with one peft adapter). Each tuple is freed before
+# the next is made: thousands of live tuples of dicts would stay tracked by the garbage collector and bring on
+# full collections of the process's heap (3x the check's time, measured).
+_ENTRY_KEYS = ("training", "_forward_hooks", "_forward_pre_hooks", "_modules", "_parameters", "_buffers")
+_ENTRIES = operator.itemgetter(*_ENTRY_KEYS)
+_VALUES, _DATA_PTR, _DTYPE = operator.methodcaller("values"), operator.methodcaller("data_ptr"), \
+    operator.attrgetter("dtype")
+
+
 class ModelWatch:
     """A snapshot of what a module tree's graphs depend on; :meth:`changed` compares the tree with it.
 
     The snapshot lists every module's ``__dict__`` and every parameter and buffer once; a check reads, per module,
-    the identities of its submodules, parameters and buffers (a replaced one changes its parent's entry), its
-    hook counts, training mode, an instance ``forward``, an attention ``processor`` and peft's adapter state,
-    and per tensor its storage address and dtype. 1.4 ms for FLUX.1-dev's 1,279 modules on a busy 2-core CPU."""
+    its submodules, parameters and buffers (compared by identity: a replaced one changes its parent's entry), its
+    hook counts, training mode, an instance ``forward``, the attention ``processor`` object and peft's adapter
+    state, and per tensor its storage address and dtype. Each is one list built in C across all modules, and
+    the parts are compared in order until one differs. Its cost follows the module count: docs/cuda_graphs.md
+    ("What drops the graphs") has the figures, ``benchmarks/model_watch.py`` measures them."""
 
     __slots__ = ("_dicts", "_tensors", "_adapters", "_processors", "_state")
 
@@ -139,19 +153,28 @@ class ModelWatch:
                          if t is not None]
         self._adapters = [d for d in self._dicts if isinstance(d.get("scaling"), dict)]
         self._processors = [d for d in self._dicts if "processor" in d]
-        self._state = self._read()
+        self._state = list(self._reads())
 
-    def _read(self) -> Tuple[Any, ...]:
-        modules = [(d["training"], len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), "forward" in d,
-                    tuple(map(id, d["_modules"].values())), tuple(map(id, d["_parameters"].values())),
-                    tuple(map(id, d["_buffers"].values()))) for d in self._dicts]
-        tensors = [(t.data_ptr(), t.dtype) for t in self._tensors]
-        adapters = [_adapter_state(d) for d in self._adapters]
-        processors = [id(d["processor"]) for d in self._processors]
-        return modules, tensors, adapters, processors
+    def _reads(self) -> Iterator[Tuple[Any, List[Any]]]:
+        """The snapshot's parts, each a pair (values compared with ``==``, objects compared by identity),
+        computed only when the part before it was the same."""
+        dicts, width = self._dicts, len(_ENTRY_KEYS)
+        entries = list(itertools.chain.from_iterable(map(_ENTRIES, dicts)))
+        training, hooks, pre_hooks, children, parameters, buffers = (entries[i::width] for i in range(width))
+        yield (training, list(map(len, hooks)), list(map(len, pre_hooks)),
+               list(map(operator.contains, dicts, itertools.repeat("forward")))), []
+        yield [_adapter_state(d) for d in self._adapters], [d["processor"] for d in self._processors]
+        for containers in (children, parameters, buffers):
+            # the counts per module and the entries in order say which object sits in which module
+            yield list(map(len, containers)), list(itertools.chain.from_iterable(map(_VALUES, containers)))
+        yield (list(map(_DATA_PTR, self._tensors)), list(map(_DTYPE, self._tensors))), []
 
     def changed(self) -> bool:
-        return self._read() != self._state
+        for (values, objects), (then_values, then_objects) in zip(self._reads(), self._state):
+            if values != then_values or len(objects) != len(then_objects) or \
+                    not all(map(operator.is_, objects, then_objects)):
+                return True
+        return False
 
 
 def static_like(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
