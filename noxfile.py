@@ -186,9 +186,10 @@ def peft_accelerate(session: nox.Session) -> None:
     # the lora pattern (peft's LoRA layers); lora_scale's cases with peft (its walk runs in every session)
     _pytest(session, "tests/patches/test_lora.py", "tests/patches/test_lora_scale.py", "-rs")
     # The adapter invalidations of the remembered verdicts and the CUDA graphs (they skip where peft is absent, as
-    # in the tests-<torch> sessions); QwenImage's accelerate-hook case.
+    # in the tests-<torch> sessions); QwenImage's accelerate-hook case; a FluxPipeline through the CUDA-graph
+    # wrapper (it needs transformers, which peft brings).
     _pytest(session, "tests/patches/test_fused_verdicts.py", "tests/test_cuda_graphs.py",
-            "tests/patches/test_fused_qwenimage.py", "-k", "lora or peft or accelerate", "-rs")
+            "tests/patches/test_fused_qwenimage.py", "-k", "lora or peft or accelerate or pipeline", "-rs")
 
 
 @nox.session(python=False)

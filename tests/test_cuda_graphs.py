@@ -325,6 +325,35 @@ def test_peft_adapters_recapture() -> None:
     assert captures_now() == 7
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not CUDA, reason="needs CUDA (TORCHPATCHES_TEST_DEVICE=cuda)"))])
+def test_a_flux_pipeline_loop_captures_once_and_replays_every_step(device: str) -> None:
+    """``pipe.transformer = graphed(pipe.transformer)``: FluxPipeline's denoising loop (the timestep a tensor,
+    guidance, ids) is one signature, so the first step captures and every step replays; the latents equal the
+    unwrapped pipeline's bit for bit; ``step.model`` puts the model back, config entry included. On the CPU
+    with the test backend, on CUDA with real graphs."""
+    pytest.importorskip("transformers", reason="FluxPipeline needs transformers (the peft-accelerate session)")
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = build_model("flux1-fused", dtype=dtype, device=device)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+                        text_encoder_2=None, tokenizer_2=None, transformer=model)
+    pipe.set_progress_bar_config(disable=True)
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 8, 32, generator=g), torch.randn(1, 16, generator=g)
+    call = dict(prompt_embeds=embeds[0].to(device, dtype), pooled_prompt_embeds=embeds[1].to(device, dtype),
+                height=32, width=32, num_inference_steps=3, guidance_scale=3.5, output_type="latent")
+    with torch.inference_mode():
+        expected = pipe(**call, generator=torch.Generator().manual_seed(1)).images
+        step = pipe.transformer = wrap(model) if device == "cpu" else graphed(model)
+        latents = pipe(**call, generator=torch.Generator().manual_seed(1)).images
+    assert torch.equal(latents, expected)
+    assert step.info() == (1, 3, 0, 1)                  # captures, replays, eager calls, graphs held
+    pipe.transformer = step.model
+    assert pipe.transformer is model and tuple(pipe.config.transformer) == ("diffusers", "FluxTransformer2DModel")
+
+
 # ---- what runs eagerly, what is refused ---------------------------------------------------------------------
 
 
