@@ -333,11 +333,16 @@ def test_a_flux_pipeline_loop_captures_once_and_replays_every_step(device: str) 
     unwrapped pipeline's bit for bit; ``step.model`` puts the model back, config entry included. On the CPU
     with the test backend, on CUDA with real graphs."""
     pytest.importorskip("transformers", reason="FluxPipeline needs transformers (the peft-accelerate session)")
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = build_model("flux1-fused", dtype=dtype, device=device)
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+    # The pipeline takes its device from its modules, and the wrapper is not one: a VAE on the device (unused
+    # with latent output) keeps the device found; without one the latents would be made on the CPU.
+    vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=("DownEncoderBlock2D",) * 4,
+                        up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=8,
+                        layers_per_block=1).to(device, dtype)
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
                         text_encoder_2=None, tokenizer_2=None, transformer=model)
     pipe.set_progress_bar_config(disable=True)
     g = torch.Generator().manual_seed(0)
