@@ -243,6 +243,7 @@ class Row:
         self.profile: Optional[Dict[str, Any]] = None
         self.error: Optional[str] = None
         self.windows: List[Tuple[float, float]] = []  # wall-clock stretches of the timed rounds (CLOCKS)
+        self.back_to_back: List[float] = []  # ms per step of steps enqueued without a sync between them
 
     def first(self, device: torch.device) -> None:
         """The first call (a compile for compiled rows, Triton JIT for fused eager ones): its time and output."""
@@ -254,11 +255,13 @@ class Row:
             self.first_s = time.perf_counter() - t
             self.output = out.float().clone()
 
-    def measure(self, device: torch.device, warmup: int, iters: int) -> None:
+    def measure(self, device: torch.device, warmup: int, iters: int, back_to_back: int = 0) -> None:
         with self.context(), torch.inference_mode():
             before = graphs_compiled()
             with _bench.Clocks.window(self.windows):
                 times, host = _bench.time_steps(self.step, device, warmup, iters)
+                if back_to_back and device.type == "cuda":
+                    self.back_to_back += _bench.time_back_to_back(self.step, back_to_back, 3)
             self.recompiles += graphs_compiled() - before
         self.times += times
         self.host += host
@@ -272,6 +275,8 @@ class Row:
             med = row["median_ms"]
             row.update(round_medians_ms=self.round_medians, times_ms=self.times, host_ms=statistics.median(self.host),
                        spread=(max(self.round_medians) - min(self.round_medians)) / med, recompiles=self.recompiles)
+        if self.back_to_back:
+            row["back_to_back_ms"] = statistics.median(self.back_to_back)
         if CLOCKS is not None and self.windows:
             row["clocks"] = CLOCKS.stats(self.windows)
         if self.profile is not None:
@@ -387,7 +392,8 @@ def run_phases(name: str, rows: List[Row], args: argparse.Namespace, device: tor
         for _ in range(args.rounds):
             for row in phase:
                 if row.error is None:
-                    _guarded(name, row, "timing", functools.partial(row.measure, device, args.warmup, steps))
+                    _guarded(name, row, "timing", functools.partial(row.measure, device, args.warmup, steps,
+                                                                    args.back_to_back))
             save()
     if device.type == "cuda" and not args.no_profile:
         for row in rows:
@@ -471,6 +477,17 @@ def finish(entry: Dict[str, Any], rows: Dict[str, Row]) -> None:
     best = min(compiled) if compiled else None
     entry["best_vanilla_compile"] = ({"regional/vanilla": ratio("regional/vanilla"), "full/vanilla":
                                      ratio("full/vanilla")} if compiled else None)
+    def b2b(key: str) -> Optional[float]:
+        row, ref = table.get(key, {}), table.get(table.get(key, {}).get("ref", ""), {})
+        return row["back_to_back_ms"] / ref["back_to_back_ms"] if "back_to_back_ms" in row and \
+            "back_to_back_ms" in ref else None
+
+    compiled_b2b = [r for r in (b2b("regional/vanilla"), b2b("full/vanilla")) if r is not None]
+    for key, row in table.items():
+        if "back_to_back_ms" in row:
+            r = b2b(key)
+            row["back_to_back_vs_eager_vanilla"] = r
+            row["back_to_back_vs_vanilla_compile"] = r / min(compiled_b2b) if r is not None and compiled_b2b else None
     for key, row in table.items():
         r = ratio(key)
         row["ratio_vs_eager_vanilla"] = r
@@ -523,6 +540,11 @@ def print_model(name: str, entry: Dict[str, Any]) -> None:
     runs_ = [f"{p} ({a['calls'] - a['fallbacks']}/{a['calls']} calls fused)" for p, a in entry["patterns"].items()
              if runs(a)]
     print(f"  fused patterns that run: {', '.join(runs_) or 'none'}")
+    b2b = [f"{key} {row['back_to_back_ms']:.2f} ms ({_f(row.get('back_to_back_vs_eager_vanilla'), '.3f', 0, 'x')} "
+           f"eager, {_f(row.get('back_to_back_vs_vanilla_compile'), '.3f', 0, 'x')} compile)"
+           for key, row in entry["rows"].items() if "back_to_back_ms" in row]
+    if b2b:
+        print("  back to back (steps enqueued without a sync, as a pipeline's loop; median): " + "; ".join(b2b))
 
 
 def print_summary(models: Dict[str, Dict[str, Any]]) -> None:
@@ -616,6 +638,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--after-compile", action="store_true",
                         help="compile a 3-op function first: every eager row then runs after a torch.compile")
+    parser.add_argument("--back-to-back", type=int, default=0, metavar="N",
+                        help="also each row's ms per step over N steps enqueued without a sync (3 per round)")
     parser.add_argument("--json")
     parser.add_argument("--summary", nargs="+", metavar="JSON", help="print the tables of earlier runs and exit")
     args = parser.parse_args(argv)
