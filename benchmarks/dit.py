@@ -469,23 +469,19 @@ def finish(entry: Dict[str, Any], rows: Dict[str, Row]) -> None:
     """Ratios (to the row's eager vanilla and to the faster vanilla compile) and output errors."""
     table = entry["rows"]
 
-    def ratio(key: str) -> Optional[float]:
+    def ratio(key: str, field: str = "median_ms") -> Optional[float]:
         row, ref = table.get(key, {}), table.get(table.get(key, {}).get("ref", ""), {})
-        return row["median_ms"] / ref["median_ms"] if "median_ms" in row and "median_ms" in ref else None
+        return row[field] / ref[field] if field in row and field in ref else None
 
     compiled = [r for r in (ratio("regional/vanilla"), ratio("full/vanilla")) if r is not None]
     best = min(compiled) if compiled else None
     entry["best_vanilla_compile"] = ({"regional/vanilla": ratio("regional/vanilla"), "full/vanilla":
                                      ratio("full/vanilla")} if compiled else None)
-    def b2b(key: str) -> Optional[float]:
-        row, ref = table.get(key, {}), table.get(table.get(key, {}).get("ref", ""), {})
-        return row["back_to_back_ms"] / ref["back_to_back_ms"] if "back_to_back_ms" in row and \
-            "back_to_back_ms" in ref else None
-
-    compiled_b2b = [r for r in (b2b("regional/vanilla"), b2b("full/vanilla")) if r is not None]
+    compiled_b2b = [r for r in (ratio(k, "back_to_back_ms") for k in ("regional/vanilla", "full/vanilla"))
+                    if r is not None]
     for key, row in table.items():
         if "back_to_back_ms" in row:
-            r = b2b(key)
+            r = ratio(key, "back_to_back_ms")
             row["back_to_back_vs_eager_vanilla"] = r
             row["back_to_back_vs_vanilla_compile"] = r / min(compiled_b2b) if r is not None and compiled_b2b else None
     for key, row in table.items():

@@ -121,6 +121,11 @@ def measure(step: Callable[[], Any], device: torch.device, args: argparse.Namesp
     return row
 
 
+def best_ms(row: Dict[str, Any], variant: str) -> float:
+    """The faster median of a variant's two alternations (A B A B: ``variant`` and ``variant+``)."""
+    return min(row[variant]["median_ms"], row[variant + "+"]["median_ms"])
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -166,8 +171,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 step = lambda: call(**feed, **extra)  # noqa: E731
                 outputs[variant] = step()[0].float()
                 row[variant] = measure(step, device, args)
-        van = min(row["vanilla"]["median_ms"], row["vanilla+"]["median_ms"])
-        fused = min(row["all"]["median_ms"], row["all+"]["median_ms"])
+        van, fused = best_ms(row, "vanilla"), best_ms(row, "all")
         row["ratio"] = fused / van
         row["ratio_without_lora"] = row["-lora"]["median_ms"] / van
         row["rel_err_vs_vanilla"] = rel_err(outputs["all"], outputs["vanilla"])
@@ -181,36 +185,32 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
               f"host {row['all']['host_ms']:.1f} ms), all but lora {row['-lora']['median_ms']:.2f} ms "
               f"({row['ratio_without_lora']:.3f}x), rel err {row['rel_err_vs_vanilla']:.2e}", flush=True)
         if args.checked:
-            checked = min(row["checked"]["median_ms"], row["checked+"]["median_ms"])
-            row["ratio_checked"] = checked / van
+            row["ratio_checked"] = best_ms(row, "checked") / van
             print(f"[{name}] patterns through the checked entries {row['checked']['median_ms']:.2f}/"
                   f"{row['checked+']['median_ms']:.2f} ms ({row['ratio_checked']:.3f}x; host "
                   f"{row['checked']['host_ms']:.1f} ms)", flush=True)
         if graph is not None:
             for kind in ("vanilla", "all"):
-                best = min(row[f"graph:{kind}"]["median_ms"], row[f"graph:{kind}+"]["median_ms"])
-                row[f"ratio_graph_{kind}"] = best / van
+                row[f"ratio_graph_{kind}"] = best_ms(row, f"graph:{kind}") / van
                 row[f"rel_err_graph_{kind}"] = rel_err(outputs[f"graph:{kind}"], outputs[kind])
             print(f"[{name}] graphed: vanilla {row['ratio_graph_vanilla']:.3f}x, every patch {row['ratio_graph_all']:.3f}x "
                   f"(host {row['graph:all']['host_ms']:.1f} ms; against eager of the same state: rel err "
                   f"{row['rel_err_graph_vanilla']:.1e} / {row['rel_err_graph_all']:.1e})", flush=True)
         if unwatched is not None:
-            best = min(row["unwatched:all"]["median_ms"], row["unwatched:all+"]["median_ms"])
-            row["ratio_unwatched_all"] = best / van
+            row["ratio_unwatched_all"] = best_ms(row, "unwatched:all") / van
             row["rel_err_unwatched_all"] = rel_err(outputs["unwatched:all"], outputs["all"])
             print(f"[{name}] graphed without the model check: every patch {row['ratio_unwatched_all']:.3f}x (host "
                   f"{row['unwatched:all']['host_ms']:.1f} ms; rel err against eager {row['rel_err_unwatched_all']:.1e})",
                   flush=True)
         for patch in args.without:
-            without = min(row[f"-{patch}"]["median_ms"], row[f"-{patch}+"]["median_ms"])
+            without = best_ms(row, f"-{patch}")
             row[f"ratio_without_{patch}"] = without / van
             a, b = row[f"-{patch}"], row[f"-{patch}+"]
             print(f"[{name}] every patch but {patch} {a['median_ms']:.2f}/{b['median_ms']:.2f} ms "
                   f"({without / van:.3f}x; host {a['host_ms']:.1f} / {b['host_ms']:.1f} ms, all {row['all']['host_ms']:.1f} / "
                   f"{row['all+']['host_ms']:.1f} ms)", flush=True)
         if graph_baseline is not None:
-            best = min(row["baseline:all"]["median_ms"], row["baseline:all+"]["median_ms"])
-            row["ratio_baseline_all"] = best / van
+            row["ratio_baseline_all"] = best_ms(row, "baseline:all") / van
             row["check_ms"] = {k: statistics.median(v) if v else float("nan") for k, v in check_times.items()}
             print(f"[{name}] graphed, {args.watch_baseline}'s model check: every patch {row['ratio_baseline_all']:.3f}x "
                   f"(host {row['baseline:all']['host_ms']:.1f} ms); check in the step, median: "

@@ -17,7 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
+import types
 from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,12 +38,8 @@ def watch_class_at(revision: str) -> Any:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         source = subprocess.run(["git", "show", f"{revision}:torchpatches/_graph_keys.py"], cwd=root, check=True,
                                 capture_output=True, text=True).stdout
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as file:
-        file.write(source)
-    spec = importlib.util.spec_from_file_location("graph_keys_baseline", file.name)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    os.unlink(file.name)
+    module = types.ModuleType("graph_keys_baseline")
+    exec(compile(source, f"{revision}:_graph_keys.py", "exec"), module.__dict__)
     return module.ModelWatch
 
 

@@ -25,6 +25,7 @@ from torchpatches.cuda_graphs import Graphed, graphed
 from torchpatches.ops._tiers import force_tier
 
 CUDA = os.environ.get("TORCHPATCHES_TEST_DEVICE") == "cuda" or torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (TORCHPATCHES_TEST_DEVICE=cuda)")
 
 
 class Replaying:
@@ -325,8 +326,7 @@ def test_peft_adapters_recapture() -> None:
     assert captures_now() == 7
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not CUDA, reason="needs CUDA (TORCHPATCHES_TEST_DEVICE=cuda)"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_a_flux_pipeline_loop_captures_once_and_replays_every_step(device: str) -> None:
     """``pipe.transformer = graphed(pipe.transformer)``: FluxPipeline's denoising loop (the timestep a tensor,
     guidance, ids) is one signature, so the first step captures and every step replays; the latents equal the
@@ -516,8 +516,6 @@ def test_wrapper_through_the_cuda_backend(monkeypatch: pytest.MonkeyPatch, net: 
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------------------
-
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (TORCHPATCHES_TEST_DEVICE=cuda)")
 
 
 @gpu
