@@ -37,7 +37,7 @@ class Spec:
 
 def flux_inputs(name: str, config: Dict[str, Any], side: int, text: int, device: torch.device,
                 dtype: torch.dtype) -> Dict[str, Any]:
-    """As the FLUX pipelines pass them: packed latents, ids [S, 3] (FLUX.1) / [S, 4] (FLUX.2), timestep in [0, 1]."""
+    """As the FLUX pipelines pass them: packed latents, ids [S, 3] (FLUX.1) / [1, S, 4] (FLUX.2), timestep in [0, 1]."""
     grid = side // 16
     gen = torch.Generator(device="cpu").manual_seed(1)
 
@@ -60,6 +60,8 @@ def flux_inputs(name: str, config: Dict[str, Any], side: int, text: int, device:
         txt_ids=txt_ids.to(device),
         return_dict=False,
     )
+    if name == "flux2":  # Flux2Pipeline's ids carry the batch dim (the dim its context-parallel plan expects)
+        out["img_ids"], out["txt_ids"] = out["img_ids"][None], out["txt_ids"][None]
     if name == "flux1":
         out["pooled_projections"] = randn(1, config["pooled_projection_dim"])
     return out

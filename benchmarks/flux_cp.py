@@ -1,0 +1,299 @@
+"""FLUX under diffusers' context parallelism, one process per GPU: vanilla vs ``import torchpatches`` (issue 17, goal 6).
+
+Per model (FLUX.1-dev dims, and FLUX.2's 2 + 12 blocks with ``--models flux1,flux2``; random bf16 weights,
+1024x1024, batch 1, the same seeded inputs on every rank):
+
+  one-gpu   each rank runs the whole model alone on its GPU (no collectives): the single-GPU reference on this host
+  ulysses   a fresh model with ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))``, the default
+            attention backend (``native``: SDPA)
+  ring      ``ring_degree=N`` over ``_native_cudnn`` (ring attention needs the log-sum-exp, which ``native`` does
+            not return)
+
+Each setting times every patch reverted (``vanilla``) and every patch applied (``all``), alternated A B A B
+(``--rounds``), and with ``--graphed`` both again through ``torchpatches.cuda_graphs.graphed`` (one wrapper: the
+collectives are captured into the graph). A timed step starts on every rank together (a barrier, then each
+rank's queue drained): CUDA events around it, the host's wall time to enqueue it; ``--back-to-back N`` also times
+N steps enqueued without a synchronization (as a pipeline's loop runs them). Each rank measures itself; the
+table shows the slowest rank (the step ends when its last rank does), the JSON keeps every rank. Outputs:
+``all`` against ``vanilla`` of the same setting (the fused glue's rounding), and each setting's vanilla against
+one-gpu vanilla (what context parallelism itself changes). ``--profile``: rank 0's GPU kernel time by class
+and launches per step, per variant.
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --json cp.json        # 2 GPUs
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --tiny                # CPU smoke (gloo)
+
+The CPU smoke run uses what ``tests/patches/_context_parallel.py`` supplies for diffusers 0.42.1 on a host
+without an accelerator (one reported device; a CPU kernel for the ring's flash attention) and forces the fused
+ops' PyTorch tier.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # _bench, _dit_models beside this file
+import _bench  # noqa: E402,I001  (before torch: turns Inductor's caches off)
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from typing import Any, Callable, Dict, Iterator, List, Optional  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from _bench import profile, rel_err, save_json, state, versions  # noqa: E402
+from flux_fused import CONFIGS, TINY, build, inputs  # noqa: E402
+
+#: mode -> (ContextParallelConfig's degree argument, attention backend on CUDA, on CPU)
+MODES = {"ulysses": ("ulysses_degree", None, None), "ring": ("ring_degree", "_native_cudnn", "_native_flash")}
+
+
+def _barrier(device: torch.device) -> None:
+    """Every rank here, and this rank's queue empty: the next step starts together everywhere."""
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+        torch.cuda.synchronize()
+    else:
+        dist.barrier()
+
+
+def time_synced(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> Dict[str, float]:
+    """Median step ms (CUDA events; wall time on CPU) and host ms to enqueue it, each step started together."""
+    for _ in range(warmup):
+        step()
+    _barrier(device)
+    times, host = [], []
+    for _ in range(iters):
+        _barrier(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t) * 1e3)
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            times.append(host[-1])
+    return {"step_ms": statistics.median(times), "host_ms": statistics.median(host)}
+
+
+def time_back_to_back(step: Callable[[], Any], device: torch.device, iters: int, repeats: int = 3) -> float:
+    """Median over ``repeats`` of ms per step for ``iters`` steps enqueued without a synchronization."""
+    per = []
+    for _ in range(repeats):
+        _barrier(device)
+        t = time.perf_counter()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        for _ in range(iters):
+            step()
+        if device.type == "cuda":
+            end.record()
+            end.synchronize()
+            per.append(start.elapsed_time(end) / iters)
+        else:
+            per.append((time.perf_counter() - t) * 1e3 / iters)
+    return statistics.median(per)
+
+
+@contextlib.contextmanager
+def cpu_stand_ins(device: torch.device) -> Iterator[None]:
+    """On a CPU-only host: what diffusers 0.42.1 lacks there (tests/patches/_context_parallel.py) and the
+    fused ops' PyTorch tier (their Triton tier needs a GPU). Nothing on CUDA."""
+    if device.type == "cuda":
+        yield
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "patches"))
+    from _context_parallel import _cpu_flash_kernel, _one_device
+
+    from torchpatches.ops._tiers import force_tier
+
+    kernel = _cpu_flash_kernel()
+    with _one_device(), force_tier("torch"):
+        yield
+    del kernel
+
+
+def parallel_model(name: str, mode: str, args: argparse.Namespace, device: torch.device,
+                   dtype: torch.dtype) -> torch.nn.Module:
+    from diffusers import ContextParallelConfig
+
+    degree_arg, cuda_backend, cpu_backend = MODES[mode]
+    model = build(name, (TINY if args.tiny else CONFIGS)[name], device, dtype)
+    backend = cuda_backend if device.type == "cuda" else cpu_backend
+    if backend is not None:
+        model.set_attention_backend(backend)
+    model.enable_parallelism(config=ContextParallelConfig(**{degree_arg: dist.get_world_size()}))
+    return model
+
+
+def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse.Namespace,
+                    device: torch.device) -> Dict[str, Any]:
+    """Every variant of one setting, alternated: per variant the rounds' timings, its output, a profile."""
+    step_of: Dict[str, Callable[[], Any]] = {}
+    wrapper = None
+    if args.graphed and device.type == "cuda":
+        from torchpatches.cuda_graphs import graphed
+
+        wrapper = graphed(model)
+    variants = ["vanilla", "all"] + (["graphed:vanilla", "graphed:all"] if wrapper is not None else [])
+    for variant in variants:
+        call = wrapper if variant.startswith("graphed:") else model
+        step_of[variant] = lambda call=call: call(**feed)
+    rows: Dict[str, Any] = {v: {"rounds": []} for v in variants}
+    with torch.no_grad():
+        for round_ in range(args.rounds):
+            for variant in variants:
+                with state(variant.split(":")[-1]):
+                    step = step_of[variant]
+                    timing = time_synced(step, device, args.warmup, args.iters)
+                    if args.back_to_back:
+                        timing["back_to_back_ms"] = time_back_to_back(step, device, args.back_to_back)
+                    rows[variant]["rounds"].append(timing)
+                    if round_ == 0:
+                        rows[variant]["output"] = step()[0].float().cpu()
+                        if args.profile and device.type == "cuda":
+                            rows[variant]["profile"] = {k: v for k, v in profile(step).items() if k != "top"}
+    if wrapper is not None:
+        rows["graph_info"] = repr(wrapper.info())
+    return rows
+
+
+def best(rounds: List[Dict[str, float]], key: str) -> Optional[float]:
+    """The faster round's median (A B A B: the round the host's noise disturbed least)."""
+    values = [r[key] for r in rounds if key in r]
+    return min(values) if values else None
+
+
+def summarize_setting(rows: Dict[str, Any], reference: torch.Tensor) -> Dict[str, Any]:
+    """One rank's rows of a setting for the JSON: best rounds, all rounds, output errors, profile."""
+    out: Dict[str, Any] = {}
+    for variant, row in rows.items():
+        if variant == "graph_info":
+            out[variant] = row
+            continue
+        out[variant] = {
+            "step_ms": best(row["rounds"], "step_ms"), "host_ms": best(row["rounds"], "host_ms"),
+            "back_to_back_ms": best(row["rounds"], "back_to_back_ms"), "rounds": row["rounds"],
+            "rel_err_vs_vanilla": rel_err(row["output"], rows["vanilla"]["output"]),
+            "rel_err_vs_one_gpu_vanilla": rel_err(row["output"], reference),
+            **({"profile": row["profile"]} if "profile" in row else {}),
+        }
+    return out
+
+
+def run_model(name: str, args: argparse.Namespace, device: torch.device, results: Dict[str, Any]) -> None:
+    """Each setting measured, gathered from every rank, printed and saved (rank 0) before the next one starts."""
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    config = (TINY if args.tiny else CONFIGS)[name]
+    side, text = (64, 8) if args.tiny else (1024, 512)
+    feed = inputs(name, config, side, text, device, dtype)  # seeded on the CPU: equal on every rank
+    entry = results.setdefault("models", {}).setdefault(name, {})
+    reference = None
+    for setting in ["one-gpu", *args.modes]:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        t0 = time.perf_counter()
+        model = (build(name, config, device, dtype) if setting == "one-gpu"
+                 else parallel_model(name, setting, args, device, dtype))
+        rows = measure_setting(model, feed, args, device)
+        del model
+        if reference is None:
+            reference = rows["vanilla"]["output"]
+        gathered: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, summarize_setting(rows, reference))
+        entry[setting] = gathered
+        if dist.get_rank() == 0:
+            print_setting(name, setting, entry, time.perf_counter() - t0)
+            save_json(args.json, results)
+
+
+def slowest(entry: Dict[str, Any], setting: str, variant: str, key: str) -> Optional[float]:
+    values = [rank[variant][key] for rank in entry[setting]]
+    return None if None in values else max(values)
+
+
+def _x(value: Optional[float], base: Optional[float]) -> str:
+    return f"{value / base:8.3f}x" if value is not None and base else f"{'-':>9}"
+
+
+def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float) -> None:
+    """The setting's rows: the slowest rank's best round; ratios to this setting's vanilla and one GPU's."""
+    if setting == "one-gpu":
+        print(f"\n{name}: slowest of {len(entry[setting])} ranks, the best of the alternated rounds (ms)")
+        print(f"{'setting':<9} {'variant':<15} {'step':>7} {'host':>7} {'b2b':>7} {'/vanilla':>9} {'b2b/van':>9} "
+              f"{'/1gpu van':>9} {'rel err':>9}")
+    rows = entry[setting][0]
+    one = slowest(entry, "one-gpu", "vanilla", "step_ms")
+    for variant in (v for v in rows if v != "graph_info"):
+        step, host, b2b = (slowest(entry, setting, variant, k) for k in ("step_ms", "host_ms", "back_to_back_ms"))
+        err = max(rank[variant]["rel_err_vs_vanilla"] for rank in entry[setting])
+        print(f"{setting:<9} {variant:<15} {step:7.1f} {host:7.1f} {b2b if b2b is not None else float('nan'):7.1f} "
+              f"{_x(step, slowest(entry, setting, 'vanilla', 'step_ms'))} "
+              f"{_x(b2b, slowest(entry, setting, 'vanilla', 'back_to_back_ms'))} {_x(step, one)} {err:9.2e}")
+    if "graph_info" in rows:
+        print(f"{'':<9} graphs (rank 0): {rows['graph_info']}")
+    for variant, row in rows.items():
+        if isinstance(row, dict) and "profile" in row:
+            p = row["profile"]
+            classes = " ".join(f"{k} {v:.1f}" for k, v in p["ms_by_class"].items())
+            print(f"{'':<9} rank 0 {variant}: GPU {p['gpu_kernel_ms']:.1f} ms ({classes}), "
+                  f"{p['launches_per_step']:.0f} launches")
+    print(f"{'':<9} ({seconds:.0f} s)", flush=True)
+
+
+def parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="flux1", help="comma-separated: flux1, flux2")
+    p.add_argument("--modes", default="ulysses,ring", help="comma-separated: ulysses, ring")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--back-to-back", type=int, default=8, help="steps per unsynchronized run (0: none)")
+    p.add_argument("--graphed", action="store_true", help="also both states through cuda_graphs.graphed")
+    p.add_argument("--profile", action="store_true", help="rank 0's kernel time by class, per variant")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny configs, gloo")
+    p.add_argument("--json", help="write the results here (rank 0)")
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.modes = [m for m in args.modes.split(",") if m]
+    for value, known, what in ((args.models, CONFIGS, "model"), (args.modes, MODES, "mode")):
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            p.error(f"unknown {what} {unknown}; expected some of {sorted(known)}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse(argv)
+    if "RANK" not in os.environ:
+        sys.exit("run one process per GPU: python -m torch.distributed.run --nproc-per-node 2 " + __file__)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cpu") if args.tiny else torch.device("cuda", local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    import torchpatches  # noqa: F401  (applies every eligible patch, as a user's import does)
+
+    results: Dict[str, Any] = {"command": _bench.command_line(argv), "versions": versions(),
+                               "world_size": dist.get_world_size(), "args": {k: v for k, v in vars(args).items()}}
+    try:
+        with cpu_stand_ins(device):
+            for name in args.models:
+                run_model(name, args, device, results)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
