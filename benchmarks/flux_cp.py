@@ -17,7 +17,8 @@ N steps enqueued without a synchronization (as a pipeline's loop runs them). Eac
 table shows the slowest rank (the step ends when its last rank does), the JSON keeps every rank. Outputs:
 ``all`` against ``vanilla`` of the same setting (the fused glue's rounding), and each setting's vanilla against
 one-gpu vanilla (what context parallelism itself changes). ``--profile``: rank 0's GPU kernel time by class
-and launches per step, per variant.
+and launches per step, per variant; ``--host-profile TOP``: rank 0's cProfile of vanilla and all (host_profile.py's
+grouping), and the fused ops' launches that fell back to ``kernel[grid]``.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --json cp.json        # 2 GPUs
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --tiny                # CPU smoke (gloo)
@@ -161,9 +162,24 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
                         rows[variant]["output"] = step()[0].float().cpu()
                         if args.profile and device.type == "cuda":
                             rows[variant]["profile"] = {k: v for k, v in profile(step).items() if k != "top"}
+        if args.host_profile:
+            from host_profile import profile_steps
+
+            for variant in ("vanilla", "all"):
+                with state(variant):
+                    rows[variant]["host_profile"] = profile_steps(step_of[variant], device, 3, args.host_profile)
     if wrapper is not None:
         rows["graph_info"] = repr(wrapper.info())
+    rows["launch_fallbacks"] = launch_fallbacks()
     return rows
+
+
+def launch_fallbacks() -> Dict[str, int]:
+    """Triton launches the fused ops handed to ``kernel[grid]`` instead of the cached launcher, per kernel (so far)."""
+    from torchpatches.ops import _launch
+
+    return {site.kernel.fn.__name__: site.fallbacks for site in list(_launch._SITES.values())
+            if getattr(site, "fallbacks", 0)}
 
 
 def best(rounds: List[Dict[str, float]], key: str) -> Optional[float]:
@@ -176,7 +192,7 @@ def summarize_setting(rows: Dict[str, Any], reference: torch.Tensor) -> Dict[str
     """One rank's rows of a setting for the JSON: best rounds, all rounds, output errors, profile."""
     out: Dict[str, Any] = {}
     for variant, row in rows.items():
-        if variant == "graph_info":
+        if variant in ("graph_info", "launch_fallbacks"):
             out[variant] = row
             continue
         out[variant] = {
@@ -184,7 +200,7 @@ def summarize_setting(rows: Dict[str, Any], reference: torch.Tensor) -> Dict[str
             "back_to_back_ms": best(row["rounds"], "back_to_back_ms"), "rounds": row["rounds"],
             "rel_err_vs_vanilla": rel_err(row["output"], rows["vanilla"]["output"]),
             "rel_err_vs_one_gpu_vanilla": rel_err(row["output"], reference),
-            **({"profile": row["profile"]} if "profile" in row else {}),
+            **{k: row[k] for k in ("profile", "host_profile") if k in row},
         }
     return out
 
@@ -232,7 +248,7 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
               f"{'/1gpu van':>9} {'rel err':>9}")
     rows = entry[setting][0]
     one = slowest(entry, "one-gpu", "vanilla", "step_ms")
-    for variant in (v for v in rows if v != "graph_info"):
+    for variant in (v for v in rows if v not in ("graph_info", "launch_fallbacks")):
         step, host, b2b = (slowest(entry, setting, variant, k) for k in ("step_ms", "host_ms", "back_to_back_ms"))
         err = max(rank[variant]["rel_err_vs_vanilla"] for rank in entry[setting])
         print(f"{setting:<9} {variant:<15} {step:7.1f} {host:7.1f} {b2b if b2b is not None else float('nan'):7.1f} "
@@ -246,6 +262,14 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
             classes = " ".join(f"{k} {v:.1f}" for k, v in p["ms_by_class"].items())
             print(f"{'':<9} rank 0 {variant}: GPU {p['gpu_kernel_ms']:.1f} ms ({classes}), "
                   f"{p['launches_per_step']:.0f} launches")
+        if isinstance(row, dict) and "host_profile" in row:
+            h = row["host_profile"]
+            groups = ", ".join(f"{k} {v:.1f}" for k, v in h["self_ms_by_group"].items())
+            print(f"{'':<9} rank 0 {variant} host: {h['host_ms']:.1f} ms unprofiled, self ms by group: {groups}")
+            for self_ms, calls, cum_ms, where in h["top"]:
+                print(f"{'':<11} {self_ms:7.2f} ms {calls:7.0f} calls {cum_ms:8.2f} cum  {where}")
+    if rows["launch_fallbacks"]:
+        print(f"{'':<9} rank 0 kernel[grid] fallbacks so far: {rows['launch_fallbacks']}")
     print(f"{'':<9} ({seconds:.0f} s)", flush=True)
 
 
@@ -259,6 +283,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--back-to-back", type=int, default=8, help="steps per unsynchronized run (0: none)")
     p.add_argument("--graphed", action="store_true", help="also both states through cuda_graphs.graphed")
     p.add_argument("--profile", action="store_true", help="rank 0's kernel time by class, per variant")
+    p.add_argument("--host-profile", type=int, default=0, metavar="TOP",
+                   help="cProfile 3 steps of vanilla and all per setting: self time by group, the TOP functions")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny configs, gloo")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args(argv)
