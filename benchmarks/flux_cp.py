@@ -9,14 +9,14 @@ Per model (FLUX.1-dev dims, and FLUX.2's 2 + 12 blocks with ``--models flux1,flu
   ring      ``ring_degree=N`` over ``_native_cudnn`` (ring attention needs the log-sum-exp, which ``native`` does
             not return)
 
-Each setting times every patch reverted (``vanilla``) and every patch applied (``all``), alternated A B A B
-(``--rounds``), and with ``--graphed`` both again through ``torchpatches.cuda_graphs.graphed`` (one wrapper: the
+Each setting times every patch reverted (``vanilla``) and every patch applied (``all``) -- or ``--variants``, e.g.
+``vanilla,all,-cp_all_to_all`` -- alternated A B A B (``--rounds``), and with ``--graphed`` both again through ``torchpatches.cuda_graphs.graphed`` (one wrapper: the
 collectives are captured into the graph). A timed step starts on every rank together (a barrier, then each
 rank's queue drained): CUDA events around it, the host's wall time to enqueue it; ``--back-to-back N`` also times
 N steps enqueued without a synchronization (as a pipeline's loop runs them). Each rank measures itself; the
 table shows the slowest rank (the step ends when its last rank does), the JSON keeps every rank. Outputs:
-``all`` against ``vanilla`` of the same setting (the fused glue's rounding), and each setting's vanilla against
-one-gpu vanilla (what context parallelism itself changes). ``--profile``: rank 0's GPU kernel time by class
+each variant against ``vanilla`` of the same setting (the fused glue's rounding), and against one-gpu vanilla (what
+context parallelism itself changes; the first setting's vanilla with ``--no-one-gpu``). ``--profile``: rank 0's GPU kernel time by class
 and launches per step, per variant; ``--host-profile TOP``: rank 0's cProfile of vanilla and all (host_profile.py's
 grouping), and the fused ops' launches that fell back to ``kernel[grid]``.
 
@@ -144,7 +144,7 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
         from torchpatches.cuda_graphs import graphed
 
         wrapper = graphed(model)
-    variants = ["vanilla", "all"] + (["graphed:vanilla", "graphed:all"] if wrapper is not None else [])
+    variants = list(args.variants) + (["graphed:vanilla", "graphed:all"] if wrapper is not None else [])
     for variant in variants:
         call = wrapper if variant.startswith("graphed:") else model
         step_of[variant] = lambda call=call: call(**feed)
@@ -199,7 +199,7 @@ def summarize_setting(rows: Dict[str, Any], reference: torch.Tensor) -> Dict[str
             "step_ms": best(row["rounds"], "step_ms"), "host_ms": best(row["rounds"], "host_ms"),
             "back_to_back_ms": best(row["rounds"], "back_to_back_ms"), "rounds": row["rounds"],
             "rel_err_vs_vanilla": rel_err(row["output"], rows["vanilla"]["output"]),
-            "rel_err_vs_one_gpu_vanilla": rel_err(row["output"], reference),
+            "rel_err_vs_reference_vanilla": rel_err(row["output"], reference),
             **{k: row[k] for k in ("profile", "host_profile") if k in row},
         }
     return out
@@ -213,7 +213,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, results
     feed = inputs(name, config, side, text, device, dtype)  # seeded on the CPU: equal on every rank
     entry = results.setdefault("models", {}).setdefault(name, {})
     reference = None
-    for setting in ["one-gpu", *args.modes]:
+    for setting in (["one-gpu"] if args.one_gpu else []) + args.modes:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         t0 = time.perf_counter()
@@ -221,7 +221,7 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, results
                  else parallel_model(name, setting, args, device, dtype))
         rows = measure_setting(model, feed, args, device)
         del model
-        if reference is None:
+        if reference is None:  # one GPU's vanilla; without that setting, the first setting's
             reference = rows["vanilla"]["output"]
         gathered: List[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, summarize_setting(rows, reference))
@@ -242,12 +242,12 @@ def _x(value: Optional[float], base: Optional[float]) -> str:
 
 def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float) -> None:
     """The setting's rows: the slowest rank's best round; ratios to this setting's vanilla and one GPU's."""
-    if setting == "one-gpu":
+    if setting == next(iter(entry)):
         print(f"\n{name}: slowest of {len(entry[setting])} ranks, the best of the alternated rounds (ms)")
         print(f"{'setting':<9} {'variant':<15} {'step':>7} {'host':>7} {'b2b':>7} {'/vanilla':>9} {'b2b/van':>9} "
               f"{'/1gpu van':>9} {'rel err':>9}")
     rows = entry[setting][0]
-    one = slowest(entry, "one-gpu", "vanilla", "step_ms")
+    one = slowest(entry, "one-gpu", "vanilla", "step_ms") if "one-gpu" in entry else None
     for variant in (v for v in rows if v not in ("graph_info", "launch_fallbacks")):
         step, host, b2b = (slowest(entry, setting, variant, k) for k in ("step_ms", "host_ms", "back_to_back_ms"))
         err = max(rank[variant]["rel_err_vs_vanilla"] for rank in entry[setting])
@@ -277,6 +277,10 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="flux1", help="comma-separated: flux1, flux2")
     p.add_argument("--modes", default="ulysses,ring", help="comma-separated: ulysses, ring")
+    p.add_argument("--variants", default="vanilla,all",
+                   help="comma-separated _bench.state variants, vanilla first (vanilla, all, -PATCH, ...)")
+    p.add_argument("--no-one-gpu", dest="one_gpu", action="store_false",
+                   help="skip the single-GPU reference setting")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15)
@@ -290,6 +294,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.modes = [m for m in args.modes.split(",") if m]
+    args.variants = [v for v in args.variants.split(",") if v]
+    if not args.variants or args.variants[0] != "vanilla":
+        p.error("--variants must start with vanilla (each setting's ratios are to it)")
     for value, known, what in ((args.models, CONFIGS, "model"), (args.modes, MODES, "mode")):
         unknown = sorted(set(value) - set(known))
         if unknown:

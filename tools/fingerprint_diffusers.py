@@ -28,7 +28,7 @@ import importlib, json, sys, warnings
 warnings.simplefilter("ignore")
 import diffusers
 from torchpatches._gates import fingerprint
-from torchpatches.patches import compile_warnings, lora_scale, rope
+from torchpatches.patches import compile_warnings, cp_all_to_all, lora_scale, rope
 
 def look(path):
     module, qualname = path.split(":")
@@ -43,7 +43,7 @@ def look(path):
     return fingerprint(obj)
 
 found = {"diffusers": diffusers.__version__, "targets": {}}
-for patch in (rope.PATCH, lora_scale.PATCH, compile_warnings.PATCH):
+for patch in (rope.PATCH, lora_scale.PATCH, cp_all_to_all.PATCH, compile_warnings.PATCH):
     for target in patch.targets:
         value = look(target.path)
         found["targets"][target.path] = [value, value in target.fingerprints]

@@ -48,6 +48,8 @@ CASES: Dict[str, Tuple[Dict[str, Any], Any, Dict[str, Any], bool]] = {
 }
 MODELS = ("flux1", "flux2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Patches applied in the patched run (and reverted in the unpatched one) besides the fused patterns.
+EXTRA = ("rope", "cp_all_to_all")
 #: The fused ops whose calls are counted (their ``_impl``: the body every tier and dispatch reaches).
 OPS = ("modulate", "qk_norm_rope", "swiglu", "slices")
 #: Seconds a collective may wait for the other rank before it raises (a failing rank must not hang the test).
@@ -97,6 +99,20 @@ def _count_op_calls(counts: Dict[str, Any]) -> None:
         module._impl = counting
 
 
+def _count_functional_all_to_all(counts: Dict[str, Any]) -> None:
+    """Count ``funcol.all_to_all_single`` calls: diffusers' Ulysses exchange when ``cp_all_to_all`` is reverted
+    (and its uneven-shard exchanges always); none from ``_all_to_all_single`` while it is applied."""
+    import torch.distributed._functional_collectives as funcol
+
+    real = funcol.all_to_all_single
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counts["functional_all_to_all"] += 1
+        return real(*args, **kwargs)
+
+    funcol.all_to_all_single = counting
+
+
 def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
@@ -111,7 +127,7 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
     model = build_model(config, dtype=dtype)
     inputs = tiny_inputs(config, dtype=dtype, **options)
     inputs.pop("return_dict")
-    with torch.no_grad(), torchpatches.disabled(*FUSED, "rope"):
+    with torch.no_grad(), torchpatches.disabled(*FUSED, *EXTRA):
         single = model(**inputs, return_dict=False)[0]
     if backend is not None:
         model.set_attention_backend(backend)
@@ -120,8 +136,10 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
         model.enable_parallelism(config=ContextParallelConfig(**config_args), cp_plan=plan)
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
     with torch.no_grad():
-        with torchpatches.disabled(*FUSED, "rope"):
+        counts.clear()
+        with torchpatches.disabled(*FUSED, *EXTRA):
             vanilla = model(**inputs, return_dict=False)[0]
+        functional_vanilla = counts["functional_all_to_all"]
         counts.clear()
         counts["tokens"] = set()
         with force_tier("torch"):
@@ -133,6 +151,7 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
         shape=list(fused.shape),
         vs_single=float((vanilla.float() - single.float()).abs().max()) if vanilla.shape == single.shape else None,
         counts={op: counts[op] for op in OPS},
+        functional_all_to_all=[functional_vanilla, counts["functional_all_to_all"]],  # unpatched, patched
         tokens=sorted(counts["tokens"]),
         processors_parallel=sum(getattr(p, "_parallel_config", None) is not None for p in processors),
         processors=len(processors),
@@ -172,9 +191,10 @@ def _rank(rank: int, store: str, folder: str, repo_tests: str) -> None:
         import torchpatches
         from _fused_models import FUSED
 
-        torchpatches.apply([*FUSED, "rope"])
+        torchpatches.apply([*FUSED, *EXTRA])
         counts: Dict[str, Any] = collections.Counter()
         _count_op_calls(counts)
+        _count_functional_all_to_all(counts)
         results["ring-native"] = _native_ring_error()
         kernel = _cpu_flash_kernel()
         for name in CASES:

@@ -2,9 +2,10 @@
 
 ``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and
 uneven shards (``ulysses_anything`` / ``ring_anything``), fp32 and bf16, the PyTorch tier forced so the fused
-glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern
-reverted; the fused block / norm / activation patterns ran on that rank's shard of the sequence; the
-attention processors (which diffusers gives a ``_parallel_config``) stepped aside. What diffusers 0.42.1
+glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and
+``rope``, ``cp_all_to_all``) reverted. The fused block / norm / activation patterns and the processors' q/k
+stretch ran on that rank's shard of the sequence, the processors passing their ``_parallel_config`` to
+diffusers' attention call; Ulysses' all-to-alls went through c10d (``cp_all_to_all``). What diffusers 0.42.1
 lacks on a CPU-only host, and what the ranks supply, is in ``_context_parallel.py``.
 
 One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not depend on torch's
@@ -30,13 +31,17 @@ pytestmark = [
                        reason="the CPU test: on a host with an accelerator diffusers builds its device mesh there"),
 ]
 
-#: Fused op calls per forward under context parallelism (1 double + 2 single blocks). The processors step
-#: aside (no qk_norm_rope; FLUX.2's single-block processor also skips its SwiGLU buffer, so no slices), the
-#: blocks', norms' and activations' patterns run: the same counts as without context parallelism otherwise.
+#: Fused op calls per forward under context parallelism (1 double + 2 single blocks): the same as without it.
+#: The attention processors run the fused q/k stretch on the rank's shard and hand diffusers' attention call
+#: their ``_parallel_config`` (FLUX.2's single-block processor also writes its SwiGLU into to_out's buffer).
 EXPECTED = {
-    "flux1": {"modulate": 11, "qk_norm_rope": 0, "swiglu": 0, "slices": 4},
-    "flux2": {"modulate": 11, "qk_norm_rope": 0, "swiglu": 4, "slices": 0},
+    "flux1": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 0, "slices": 4},
+    "flux2": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 4, "slices": 2},
 }
+#: ``funcol.all_to_all_single`` calls per forward, (unpatched, patched): Ulysses exchanges q, k, v and the output
+#: (4 per attention call, 3 calls), which ``cp_all_to_all`` sends through c10d; the uneven shards' exchange
+#: (``ulysses_anything``, split sizes) is another function of diffusers, left as it is; ring attention gathers.
+FUNCTIONAL_ALL_TO_ALL = {"ulysses": [12, 0], "ulysses-uneven": [12, 12], "ring": [0, 0], "ring-uneven": [0, 0]}
 #: Tokens per rank (image + text, and each stream alone): even 16 + 8 -> 8 + 4; uneven 9 + 7 -> 5 + 4 / 4 + 3.
 TOKENS = {True: [[4, 8, 12], [4, 8, 12]], False: [[4, 5, 9], [3, 4, 7]]}
 
@@ -59,6 +64,7 @@ def test_fused_glue_on_each_shard_equals_diffusers(ranks: List[Dict[str, Any]], 
         got = results[f"{case}/{which}/{dtype}"]
         assert got["equal"], (rank, got)
         assert got["counts"] == EXPECTED[which], (rank, got)
+        assert got["functional_all_to_all"] == FUNCTIONAL_ALL_TO_ALL[case], (rank, got)
         assert got["tokens"] == TOKENS[gathered][rank], (rank, got)  # the patterns saw this rank's shard
         assert got["processors"] > 0 and got["processors_parallel"] == got["processors"], (rank, got)
         # Context parallelism itself computed the model (the shard, or all of it after the gather).

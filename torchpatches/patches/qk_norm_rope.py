@@ -16,10 +16,14 @@ What the patch changes
     rotates them and writes q, k (and v) straight into the contiguous joint ``[B, S_txt + S_img, H, D]``
     tensors. For FLUX.2's single blocks, while the ``swiglu`` patch is applied, the SwiGLU output is
     written straight into the buffer ``to_out`` reads (only the attention output is copied into it).
+    Under diffusers' context parallelism (a processor with a ``_parallel_config``) the stretch runs on the
+    rank's shard of the sequence (the rotary tables are the shard's) and the processor hands its
+    ``_parallel_config`` to the attention call, as diffusers' does (issue 17, round 8: the host work the
+    stretch saves is on a context-parallel step's critical path).
     Everything else runs diffusers' own ``__call__``: ``torch.compile`` (Inductor fuses this stretch
     itself), norms that are not stock ``torch.nn.RMSNorm`` with a weight of the activations' dtype, hooked
-    norms, no rotary embedding or one that is not FLUX's fp32 ``(cos, sin)`` tables, context/tensor
-    parallel configs, gradients (also forward AD and functorch transforms), ``torch.jit.trace``, autocast,
+    norms, no rotary embedding or one that is not FLUX's fp32 ``(cos, sin)`` tables,
+    gradients (also forward AD and functorch transforms), ``torch.jit.trace``, autocast,
     a replaced global of the processor (a user's own ``apply_rotary_emb``, ``dispatch_attention_fn``) or of
     ``F.rms_norm`` / ``RMSNorm.forward`` / ``torch.cat``, tensor subclasses, CPU tensors.
 
@@ -73,7 +77,6 @@ def _common_ok(processor: Any, attn: Any, hidden_states: Any, image_rotary_emb: 
         image_rotary_emb is not None
         and fusable(hidden_states, (attn,), encoder_hidden_states, *(t for t in rotary if isinstance(t, torch.Tensor)))
         and hidden_states.dim() == 3
-        and getattr(processor, "_parallel_config", None) is None
     )
 
 

@@ -1,0 +1,90 @@
+"""cp_all_to_all: the all-to-all of diffusers' Ulysses attention through c10d directly (eager host time).
+
+What goes wrong upstream
+    Under diffusers' context parallelism with Ulysses (``ContextParallelConfig(ulysses_degree=N)``) every
+    attention call exchanges q, k, v and the output between the ranks: four calls of
+    ``attention_dispatch._all_to_all_single`` (FLUX.1-dev: 228 per step). Each goes through
+    ``torch.distributed._functional_collectives``: the op's Python autograd layer, an ``AsyncCollectiveTensor``
+    wrapper subclass, a ``reshape`` dispatched through that subclass' ``__torch_dispatch__`` (a pytree walk per
+    op), then a ``wait_tensor`` op through the autograd layer again. The functional form is what Dynamo traces; in
+    eager it is host work on a step that context parallelism already makes host-bound (issue 17: a two-GPU
+    FLUX.1-dev step enqueues in 150-250 ms for 80-100 ms of GPU work). No upstream issue as of diffusers 0.42.1.
+
+What the patch changes
+    In eager, ``_all_to_all_single(x, group)`` is ``torch.distributed.all_to_all_single(out, x.reshape(-1),
+    group=group)`` into a new tensor of ``x``'s shape: the same collective (equal splits of the flattened tensor
+    over the group's ranks, on the process group's stream, the current stream made to wait for it) and the same
+    values, bit for bit (data movement only), without the functional layer. The original runs under
+    torch.compile (Dynamo traces the functional collective), when autograd would record the call or a transform
+    (forward AD, functorch, ``torch.jit.trace``) is active, for tensor subclasses (``DTensor``,
+    ``AsyncCollectiveTensor``), for a ``group`` that is not a ``ProcessGroup`` (a mesh, a name), and when the
+    flattened tensor does not split evenly over the group (the original raises its own error).
+
+Versions
+    diffusers 0.36 - 0.42: ``_all_to_all_single`` fingerprinted with tools/fingerprint_diffusers.py in 0.36.0,
+    0.37.0, 0.38.0, 0.39.0, 0.40.0, 0.41.0, 0.42.0 and 0.42.1 (one source; 0.35.2 has no such function). Any torch
+    with ``torch.distributed``.
+
+When to delete
+    When diffusers' eager context parallelism calls c10d's collectives directly (or batches q, k and v into one
+    exchange), or when the functional collectives cost no more host time than c10d's in eager.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .._compat import is_compiling
+from .._declare import Patch, Target
+from ..ops._tiers import eager_transforms
+
+__all__ = ["PATCH"]
+
+_MODULE = "diffusers.models.attention_dispatch"
+
+
+def _direct_fits(x: Any, group: Any, process_group: type) -> bool:
+    return (
+        type(x) is torch.Tensor
+        and isinstance(group, process_group)
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and not eager_transforms()
+        and x.numel() % group.size() == 0
+    )
+
+
+def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
+    import torch.distributed as dist
+
+    process_group = dist.ProcessGroup
+    all_to_all_single = dist.all_to_all_single
+
+    def _all_to_all_single(x: torch.Tensor, group: Any) -> torch.Tensor:
+        if is_compiling() or not _direct_fits(x, group, process_group):
+            return original(x, group)
+        flat = x.reshape(-1)
+        out = torch.empty_like(flat)
+        all_to_all_single(out, flat, group=group)
+        return out.view(x.shape)
+
+    _all_to_all_single.__doc__ = original.__doc__
+    return _all_to_all_single
+
+
+def _distributed_missing() -> Optional[str]:
+    if not torch.distributed.is_available():
+        return "torch.distributed is not available in this torch build"
+    return None
+
+
+PATCH = Patch(
+    name="cp_all_to_all",
+    summary="diffusers' Ulysses all-to-all (context parallelism) through c10d directly in eager",
+    targets=(
+        Target(f"{_MODULE}:_all_to_all_single", make_replacement=_replacement,
+               fingerprints=frozenset({"7fe3c3e9aff59e68"})),
+    ),
+    requires={"diffusers": ">=0.36,<0.43"},
+    precondition=_distributed_missing,
+)
