@@ -56,7 +56,8 @@ EXTRA: dict = {}
 #: there: the patches' fingerprints and sources, the graph-break sites they fix (slow cases included:
 #: marker by_diffusers), the doctor on a diffusers model. Older releases install over the [test] extra's pin.
 _PER_RELEASE = [
-    ["tests/patches/test_rope_patch.py", "tests/patches/test_compile_warnings.py", "-m", f"{FAST} or by_diffusers"],
+    ["tests/patches/test_rope_patch.py", "tests/patches/test_compile_warnings.py", "tests/patches/test_cp_all_to_all.py",
+     "-m", f"{FAST} or by_diffusers"],
     ["tests/test_doctor.py", "-k", "flux", "-m", FAST],
 ]
 DIFFUSERS = {

@@ -8,8 +8,8 @@ stretch ran on that rank's shard of the sequence, the processors passing their `
 diffusers' attention call; Ulysses' all-to-alls went through c10d (``cp_all_to_all``). What diffusers 0.42.1
 lacks on a CPU-only host, and what the ranks supply, is in ``_context_parallel.py``.
 
-One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not depend on torch's
-release, so one session of the matrix runs it (marker ``once``: tests-2.13.0).
+One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not
+depend on torch's release, so one session of the matrix runs it (marker ``once``: tests-2.13.0).
 """
 from __future__ import annotations
 

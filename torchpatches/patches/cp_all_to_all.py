@@ -7,18 +7,21 @@ What goes wrong upstream
     ``torch.distributed._functional_collectives``: the op's Python autograd layer, an ``AsyncCollectiveTensor``
     wrapper subclass, a ``reshape`` dispatched through that subclass' ``__torch_dispatch__`` (a pytree walk per
     op), then a ``wait_tensor`` op through the autograd layer again. The functional form is what Dynamo traces; in
-    eager it is host work on a step that context parallelism already makes host-bound (issue 17: a two-GPU
-    FLUX.1-dev step enqueues in 150-250 ms for 80-100 ms of GPU work). No upstream issue as of diffusers 0.42.1.
+    eager it is host work on a step that context parallelism already makes host-bound (issue 17, round 8: a
+    two-GPU FLUX.1-dev step enqueues in 100-250 ms for 90-115 ms of GPU work). No upstream issue as of diffusers 0.42.1.
 
 What the patch changes
     In eager, ``_all_to_all_single(x, group)`` is ``torch.distributed.all_to_all_single(out, x.reshape(-1),
     group=group)`` into a new tensor of ``x``'s shape: the same collective (equal splits of the flattened tensor
     over the group's ranks, on the process group's stream, the current stream made to wait for it) and the same
-    values, bit for bit (data movement only), without the functional layer. The original runs under
-    torch.compile (Dynamo traces the functional collective), when autograd would record the call or a transform
-    (forward AD, functorch, ``torch.jit.trace``) is active, for tensor subclasses (``DTensor``,
-    ``AsyncCollectiveTensor``), for a ``group`` that is not a ``ProcessGroup`` (a mesh, a name), and when the
-    flattened tensor does not split evenly over the group (the original raises its own error).
+    values, bit for bit (data movement only), without the functional layer. The original runs under torch.compile
+    (Dynamo traces the functional collective), when autograd would record the call or a transform (forward AD,
+    functorch, ``torch.jit.trace``) is active, for tensor subclasses (``DTensor``, ``AsyncCollectiveTensor``), for a
+    ``group`` that is not a ``ProcessGroup`` (a mesh, a name), when the flattened tensor is empty or does not split
+    evenly over the group (the original raises its own error), and while a CUDA graph is being captured
+    (``torchpatches.cuda_graphs.graphed``): a graph captured with c10d's collective held the host at every replay
+    for the whole step and ran 5% slower than one captured with the functional collectives (FLUX.1-dev, two H200s,
+    docs/fused.md "Context parallelism on two GPUs").
 
 Versions
     diffusers 0.36 - 0.42: ``_all_to_all_single`` fingerprinted with tools/fingerprint_diffusers.py in 0.36.0,
@@ -50,7 +53,9 @@ def _direct_fits(x: Any, group: Any, process_group: type) -> bool:
         and isinstance(group, process_group)
         and not (x.requires_grad and torch.is_grad_enabled())
         and not eager_transforms()
+        and x.numel() > 0
         and x.numel() % group.size() == 0
+        and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
     )
 
 

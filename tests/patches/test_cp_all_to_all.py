@@ -1,0 +1,144 @@
+"""``cp_all_to_all``: diffusers' Ulysses ``_all_to_all_single`` through c10d, the same values as the functional path.
+
+In this process, a one-rank gloo group (the exchange is then the identity, and the original returns the same):
+the direct path's output equals the original's bit for bit (contiguous and transposed inputs, three dtypes) and
+calls no functional collective; the cases the patch hands back to diffusers (autograd recording, forward AD, a
+tensor subclass, a group given by name, Dynamo) reach the functional collective; the predicate refuses empty and
+unevenly split tensors and, on a GPU, CUDA-graph capture; revert puts the original object back. Two ranks
+exchanging real shards inside FLUX.1 / FLUX.2 run in ``test_fused_context_parallel.py``.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, List
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+
+import torchpatches  # noqa: E402
+from torchpatches.patches import cp_all_to_all  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Any]:
+    if dist.is_initialized():  # pragma: no cover - another test left a default group
+        pytest.skip("a default process group exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def dispatch() -> Any:
+    torchpatches.apply(["cp_all_to_all"])
+    from diffusers.models import attention_dispatch
+
+    return attention_dispatch
+
+
+@pytest.fixture
+def functional_calls(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """One entry per ``funcol.all_to_all_single`` call (what diffusers' own ``_all_to_all_single`` makes)."""
+    calls: List[int] = []
+    real = funcol.all_to_all_single
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(funcol, "all_to_all_single", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_direct_path_equals_the_functional_one(group: Any, dispatch: Any, functional_calls: List[int],
+                                               dtype: torch.dtype, layout: str) -> None:
+    x = (torch.randn(2, 3, 4, 5) * 100).to(dtype)
+    if layout == "transposed":
+        x = x.transpose(1, 2)
+    with torchpatches.disabled("cp_all_to_all"):
+        expected = dispatch._all_to_all_single(x, group)
+    assert len(functional_calls) == 1
+    got = dispatch._all_to_all_single(x, group)
+    assert len(functional_calls) == 1  # the patched call made c10d's collective, not the functional one
+    assert type(got) is torch.Tensor and got.shape == x.shape and got.dtype == x.dtype
+    assert torch.equal(got, expected) and got.data_ptr() != x.data_ptr()
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("case", ["grad", "forward AD", "subclass", "group by name", "compiling"])
+def test_the_original_runs_for_what_the_direct_path_does_not_cover(group: Any, dispatch: Any,
+                                                                   functional_calls: List[int],
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   case: str) -> None:
+    x = torch.randn(4, 6)
+    by = group
+    if case == "grad":
+        x.requires_grad_(True)
+    elif case == "subclass":
+        x = x.as_subclass(Sub)
+    elif case == "group by name":
+        by = group.group_name
+    elif case == "compiling":  # what Dynamo's constant-folded check reads while it traces
+        monkeypatch.setattr(cp_all_to_all, "is_compiling", lambda: True)
+    if case == "forward AD":
+        import torch.autograd.forward_ad as fwAD
+
+        with fwAD.dual_level():
+            dispatch._all_to_all_single(x, by)
+    elif case == "subclass":  # the functional collective's own answer to a plain subclass
+        with pytest.raises(RuntimeError, match="subclass Sub"):
+            dispatch._all_to_all_single(x, by)
+    else:
+        dispatch._all_to_all_single(x, by)
+    assert len(functional_calls) == 1, case
+
+
+class FakeGroup:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("numel, ranks, direct", [(24, 4, True), (24, 5, False), (0, 2, False)])
+def test_only_an_even_nonempty_split_takes_the_direct_path(numel: int, ranks: int, direct: bool) -> None:
+    assert cp_all_to_all._direct_fits(torch.zeros(numel), FakeGroup(ranks), FakeGroup) is direct
+
+
+def test_revert_puts_the_original_back(dispatch: Any) -> None:
+    patched = dispatch._all_to_all_single
+    with torchpatches.disabled("cp_all_to_all"):
+        original = dispatch._all_to_all_single
+    assert original is not patched and original.__module__ == "diffusers.models.attention_dispatch"
+    torchpatches.revert("cp_all_to_all")
+    try:
+        assert dispatch._all_to_all_single is original
+    finally:
+        torchpatches.apply(["cp_all_to_all"])
+    assert dispatch._all_to_all_single is patched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a GPU")
+def test_cuda_graph_capture_takes_the_functional_path() -> None:
+    """While a CUDA graph is captured the original runs (a graph of c10d's collective held the host at replay)."""
+    x = torch.ones(8, device="cuda")
+    assert cp_all_to_all._direct_fits(x, FakeGroup(2), FakeGroup)
+    graph, seen = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        seen.append(cp_all_to_all._direct_fits(x, FakeGroup(2), FakeGroup))
+        x.add_(1)
+    assert seen == [False]
