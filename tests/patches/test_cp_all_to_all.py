@@ -3,7 +3,7 @@
 In this process, a one-rank gloo group (the exchange is then the identity, and the original returns the same):
 the direct path's output equals the original's bit for bit (contiguous and transposed inputs, three dtypes) and
 calls no functional collective; the cases the patch hands back to diffusers (autograd recording, forward AD, a
-tensor subclass, a group given by name, Dynamo) reach the functional collective; the predicate refuses empty and
+tensor subclass, a group given by name, Dynamo, a strided 1-D view) reach the functional collective; the predicate refuses empty and
 unevenly split tensors and, on a GPU, CUDA-graph capture; revert puts the original object back. Two ranks
 exchanging real shards inside FLUX.1 / FLUX.2 run in ``test_fused_context_parallel.py``.
 """
@@ -78,7 +78,7 @@ class Sub(torch.Tensor):
     pass
 
 
-@pytest.mark.parametrize("case", ["grad", "forward AD", "subclass", "group by name", "compiling"])
+@pytest.mark.parametrize("case", ["grad", "forward AD", "subclass", "group by name", "compiling", "strided 1-D"])
 def test_the_original_runs_for_what_the_direct_path_does_not_cover(group: Any, dispatch: Any,
                                                                    functional_calls: List[int],
                                                                    monkeypatch: pytest.MonkeyPatch,
@@ -93,6 +93,8 @@ def test_the_original_runs_for_what_the_direct_path_does_not_cover(group: Any, d
         by = group.group_name
     elif case == "compiling":  # what Dynamo's constant-folded check reads while it traces
         monkeypatch.setattr(cp_all_to_all, "is_compiling", lambda: True)
+    elif case == "strided 1-D":  # flattening it is a view, not a copy: no contiguous buffer to send
+        x = torch.randn(48)[::2]
     if case == "forward AD":
         import torch.autograd.forward_ad as fwAD
 
@@ -101,6 +103,8 @@ def test_the_original_runs_for_what_the_direct_path_does_not_cover(group: Any, d
     elif case == "subclass":  # the functional collective's own answer to a plain subclass
         with pytest.raises(RuntimeError, match="subclass Sub"):
             dispatch._all_to_all_single(x, by)
+    elif case == "strided 1-D":  # the functional path sends it (c10d's would refuse: "Tensors must be contiguous")
+        assert torch.equal(dispatch._all_to_all_single(x, by), x)  # one rank: the exchange is the identity
     else:
         dispatch._all_to_all_single(x, by)
     assert len(functional_calls) == 1, case

@@ -69,6 +69,8 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
         if is_compiling() or not _direct_fits(x, group, process_group):
             return original(x, group)
         flat = x.reshape(-1)
+        if not flat.is_contiguous():  # a strided 1-D view: the original says what the collective says
+            return original(x, group)
         out = torch.empty_like(flat)
         all_to_all_single(out, flat, group=group)
         return out.view(x.shape)
