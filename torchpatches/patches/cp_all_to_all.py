@@ -17,11 +17,12 @@ What the patch changes
     values, bit for bit (data movement only), without the functional layer. The original runs under torch.compile
     (Dynamo traces the functional collective), when autograd would record the call or a transform (forward AD,
     functorch, ``torch.jit.trace``) is active, for tensor subclasses (``DTensor``, ``AsyncCollectiveTensor``), for a
-    ``group`` that is not a ``ProcessGroup`` (a mesh, a name), when the flattened tensor is empty or does not split
-    evenly over the group (the original raises its own error), and while a CUDA graph is being captured
-    (``torchpatches.cuda_graphs.graphed``): a graph captured with c10d's collective held the host at every replay
-    for the whole step and ran 5% slower than one captured with the functional collectives (FLUX.1-dev, two H200s,
-    docs/fused.md "Context parallelism on two GPUs").
+    ``group`` that is not a ``ProcessGroup`` (a mesh, a name), when the flattened tensor is empty, a strided view (a
+    1-D slice: c10d refuses it, the functional collective sends it) or does not split evenly over the group (the
+    original raises its own error), and while a CUDA graph is being captured (``torchpatches.cuda_graphs.graphed``):
+    a graph captured with c10d's collective held the host at every replay for the whole step and ran 5% slower than
+    one captured with the functional collectives (FLUX.1-dev, two H200s, docs/fused.md "Context parallelism on two
+    GPUs").
 
 Versions
     diffusers 0.36 - 0.42: ``_all_to_all_single`` fingerprinted with tools/fingerprint_diffusers.py in 0.36.0,
