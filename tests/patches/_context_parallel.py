@@ -158,6 +158,35 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
     )
 
 
+def _grad_case(counts: Dict[str, Any]) -> Dict[str, Any]:
+    """Ulysses with autograd on tiny FLUX.1 (fp32): the output and the input's gradient with every patch reverted and
+    applied. The fused patterns step aside (grad); diffusers' Ulysses ``autograd.Function`` exchanges in its forward
+    and backward with grad off, where ``cp_all_to_all`` takes c10d's collective."""
+    import torchpatches
+    from _fused_models import FUSED
+    from diffusers import ContextParallelConfig
+    from torchpatches._harness import build_model, tiny_inputs
+
+    model = build_model("flux1-fused")
+    inputs = tiny_inputs("flux1-fused")
+    inputs.pop("return_dict")
+    with _one_device():
+        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+    runs = []
+    for patched in (False, True):
+        hidden = inputs["hidden_states"].detach().clone().requires_grad_(True)
+        counts.clear()
+        with contextlib.ExitStack() as stack:
+            if not patched:
+                stack.enter_context(torchpatches.disabled(*FUSED, *EXTRA))
+            out = model(**{**inputs, "hidden_states": hidden}, return_dict=False)[0]
+            out.square().sum().backward()
+        runs.append((out.detach(), hidden.grad, counts["functional_all_to_all"]))
+    (out0, grad0, calls0), (out1, grad1, calls1) = runs
+    return dict(equal=bool(torch.equal(out0, out1)), grad_equal=bool(torch.equal(grad0, grad1)),
+                grad_nonzero=bool(grad0.abs().sum() > 0), functional_all_to_all=[calls0, calls1])
+
+
 def _native_ring_error() -> str:
     """What diffusers' ``native`` backend (the one that runs on CPU) says to ring attention."""
     from diffusers import ContextParallelConfig
@@ -196,6 +225,7 @@ def _rank(rank: int, store: str, folder: str, repo_tests: str) -> None:
         _count_op_calls(counts)
         _count_functional_all_to_all(counts)
         results["ring-native"] = _native_ring_error()
+        results["ulysses-grad"] = _grad_case(counts)
         kernel = _cpu_flash_kernel()
         for name in CASES:
             for which in MODELS:

@@ -1,10 +1,12 @@
 """``cp_all_to_all``: diffusers' Ulysses ``_all_to_all_single`` through c10d, the same values as the functional path.
 
 In this process, a one-rank gloo group (the exchange is then the identity, and the original returns the same):
-the direct path's output equals the original's bit for bit (contiguous and transposed inputs, three dtypes) and
-calls no functional collective; the cases the patch hands back to diffusers (autograd recording, forward AD, a
-tensor subclass, a group given by name, Dynamo, a strided 1-D view) reach the functional collective; the predicate refuses empty and
-unevenly split tensors and, on a GPU, CUDA-graph capture; revert puts the original object back. Two ranks
+the direct path's output equals the original's bit for bit (contiguous and transposed inputs, three dtypes; an
+input that requires grad under ``no_grad``, as inside diffusers' ``autograd.Function``) and calls no functional
+collective; the cases the patch hands back to diffusers (autograd recording, forward AD, a tensor subclass, a group
+given by name, Dynamo -- also a real ``fullgraph`` trace --, a strided 1-D view, complex, a dispatch mode, a
+``torch.device`` context) reach the functional collective; the predicate refuses empty and unevenly split tensors
+and, on a GPU, CUDA-graph capture; revert puts back the object the registry found. Two ranks
 exchanging real shards inside FLUX.1 / FLUX.2 run in ``test_fused_context_parallel.py``.
 """
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 import torchpatches  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
 from torchpatches.patches import cp_all_to_all  # noqa: E402
 
 
@@ -78,7 +83,33 @@ class Sub(torch.Tensor):
     pass
 
 
-@pytest.mark.parametrize("case", ["grad", "forward AD", "subclass", "group by name", "compiling", "strided 1-D"])
+def test_an_input_that_requires_grad_under_no_grad_takes_the_direct_path(group: Any, dispatch: Any,
+                                                                        functional_calls: List[int]) -> None:
+    """What diffusers' Ulysses ``autograd.Function`` passes in training: grad is off inside its forward/backward."""
+    x = torch.randn(4, 6, requires_grad=True)
+    with torch.no_grad():
+        got = dispatch._all_to_all_single(x, group)
+    assert functional_calls == [] and torch.equal(got, x) and not got.requires_grad
+
+
+def test_dynamo_traces_the_functional_collective_in_one_graph(group: Any, dispatch: Any) -> None:
+    """Under torch.compile the replacement hands Dynamo diffusers' own code: one graph, no break, same values."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 6)
+    compiled = torch.compile(lambda t: dispatch._all_to_all_single(t, group) * 2, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), x * 2)
+    torch._dynamo.reset()
+
+
+class PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["grad", "forward AD", "subclass", "group by name", "compiling", "strided 1-D",
+                                  "complex", "dispatch mode", "default device"])
 def test_the_original_runs_for_what_the_direct_path_does_not_cover(group: Any, dispatch: Any,
                                                                    functional_calls: List[int],
                                                                    monkeypatch: pytest.MonkeyPatch,
@@ -103,6 +134,15 @@ def test_the_original_runs_for_what_the_direct_path_does_not_cover(group: Any, d
     elif case == "subclass":  # the functional collective's own answer to a plain subclass
         with pytest.raises(RuntimeError, match="subclass Sub"):
             dispatch._all_to_all_single(x, by)
+    elif case == "complex":  # the functional collective refuses it; c10d would send it as real pairs
+        with pytest.raises(RuntimeError):
+            dispatch._all_to_all_single(torch.randn(4, 6, dtype=torch.complex64), by)
+    elif case == "dispatch mode":
+        with PassThrough():
+            dispatch._all_to_all_single(x, by)
+    elif case == "default device":  # torch.device as a context is a torch-function mode (set_default_device's)
+        with torch.device("cpu"):
+            dispatch._all_to_all_single(x, by)
     elif case == "strided 1-D":  # the functional path sends it (c10d's would refuse: "Tensors must be contiguous")
         assert torch.equal(dispatch._all_to_all_single(x, by), x)  # one rank: the exchange is the identity
     else:
@@ -125,9 +165,8 @@ def test_only_an_even_nonempty_split_takes_the_direct_path(numel: int, ranks: in
 
 def test_revert_puts_the_original_back(dispatch: Any) -> None:
     patched = dispatch._all_to_all_single
-    with torchpatches.disabled("cp_all_to_all"):
-        original = dispatch._all_to_all_single
-    assert original is not patched and original.__module__ == "diffusers.models.attention_dispatch"
+    original = getattr(patched, MARK_ORIGINAL)  # what the registry found in diffusers' module
+    assert original is not patched and original.__code__.co_filename.endswith("attention_dispatch.py")
     torchpatches.revert("cp_all_to_all")
     try:
         assert dispatch._all_to_all_single is original
@@ -137,7 +176,7 @@ def test_revert_puts_the_original_back(dispatch: Any) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a GPU")
-def test_cuda_graph_capture_takes_the_functional_path() -> None:
+def test_the_predicate_refuses_cuda_graph_capture() -> None:
     """While a CUDA graph is captured the original runs (a graph of c10d's collective held the host at replay)."""
     x = torch.ones(8, device="cuda")
     assert cp_all_to_all._direct_fits(x, FakeGroup(2), FakeGroup)

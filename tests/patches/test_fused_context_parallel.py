@@ -5,8 +5,9 @@ uneven shards (``ulysses_anything`` / ``ring_anything``), fp32 and bf16, the PyT
 glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and
 ``rope``, ``cp_all_to_all``) reverted. The fused block / norm / activation patterns and the processors' q/k
 stretch ran on that rank's shard of the sequence, the processors passing their ``_parallel_config`` to
-diffusers' attention call; Ulysses' all-to-alls went through c10d (``cp_all_to_all``). What diffusers 0.42.1
-lacks on a CPU-only host, and what the ranks supply, is in ``_context_parallel.py``.
+diffusers' attention call; Ulysses' all-to-alls went through c10d (``cp_all_to_all``), also in the backward of a
+training step (output and input gradient bit-identical). What diffusers 0.42.1 lacks on a CPU-only host, and what
+the ranks supply, is in ``_context_parallel.py``.
 
 One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not
 depend on torch's release, so one session of the matrix runs it (marker ``once``: tests-2.13.0).
@@ -76,3 +77,12 @@ def test_ring_attention_needs_a_log_sum_exp_on_cpu(ranks: List[Dict[str, Any]]) 
     """Why the ring cases bring a CPU flash kernel: diffusers' CPU backend cannot do ring attention."""
     for results in ranks:
         assert results["ring-native"] == "ValueError: Native attention does not support return_lse=True"
+
+
+def test_ulysses_backward_exchanges_through_c10d_with_the_same_gradient(ranks: List[Dict[str, Any]]) -> None:
+    """Training through Ulysses (tiny FLUX.1, fp32): diffusers' ``autograd.Function`` exchanges 12 times forward and
+    12 backward; with ``cp_all_to_all`` none of them takes the functional path, and output and input gradient equal
+    the unpatched ones bit for bit (the fused patterns step aside under autograd)."""
+    for rank, results in enumerate(ranks):
+        got = results["ulysses-grad"]
+        assert got == dict(equal=True, grad_equal=True, grad_nonzero=True, functional_all_to_all=[24, 0]), (rank, got)

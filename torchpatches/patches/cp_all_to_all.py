@@ -1,28 +1,30 @@
 """cp_all_to_all: the all-to-all of diffusers' Ulysses attention through c10d directly (eager host time).
 
 What goes wrong upstream
-    Under diffusers' context parallelism with Ulysses (``ContextParallelConfig(ulysses_degree=N)``) every
-    attention call exchanges q, k, v and the output between the ranks: four calls of
-    ``attention_dispatch._all_to_all_single`` (FLUX.1-dev: 228 per step). Each goes through
-    ``torch.distributed._functional_collectives``: the op's Python autograd layer, an ``AsyncCollectiveTensor``
-    wrapper subclass, a ``reshape`` dispatched through that subclass' ``__torch_dispatch__`` (a pytree walk per
-    op), then a ``wait_tensor`` op through the autograd layer again. The functional form is what Dynamo traces; in
-    eager it is host work on a step that context parallelism already makes host-bound (issue 17, round 8: a
-    two-GPU FLUX.1-dev step enqueues in 100-250 ms for 90-115 ms of GPU work). No upstream issue as of diffusers 0.42.1.
+    Under diffusers' context parallelism with Ulysses (``ContextParallelConfig(ulysses_degree=N)``) every attention
+    call exchanges q, k, v and the output between the ranks: four calls of ``attention_dispatch._all_to_all_single``
+    per attention call. Each goes through ``torch.distributed._functional_collectives``: the op's Python autograd
+    layer, an ``AsyncCollectiveTensor`` wrapper subclass, a ``reshape`` dispatched through that subclass'
+    ``__torch_dispatch__`` (a pytree walk per op), then a ``wait_tensor`` op through the autograd layer again. The
+    functional form is what Dynamo traces; in eager it is host work on a step that context parallelism already makes
+    host-bound (docs/fused.md, "Context parallelism on two GPUs": the host profile and the step times). No upstream
+    issue as of diffusers 0.42.1.
 
 What the patch changes
     In eager, ``_all_to_all_single(x, group)`` is ``torch.distributed.all_to_all_single(out, x.reshape(-1),
-    group=group)`` into a new tensor of ``x``'s shape: the same collective (equal splits of the flattened tensor
-    over the group's ranks, on the process group's stream, the current stream made to wait for it) and the same
-    values, bit for bit (data movement only), without the functional layer. The original runs under torch.compile
-    (Dynamo traces the functional collective), when autograd would record the call or a transform (forward AD,
-    functorch, ``torch.jit.trace``) is active, for tensor subclasses (``DTensor``, ``AsyncCollectiveTensor``), for a
-    ``group`` that is not a ``ProcessGroup`` (a mesh, a name), when the flattened tensor is empty, a strided view (a
-    1-D slice: c10d refuses it, the functional collective sends it) or does not split evenly over the group (the
-    original raises its own error), and while a CUDA graph is being captured (``torchpatches.cuda_graphs.graphed``):
-    a graph captured with c10d's collective held the host at every replay for the whole step and ran 5% slower than
-    one captured with the functional collectives (FLUX.1-dev, two H200s, docs/fused.md "Context parallelism on two
-    GPUs").
+    group=group)`` into a new tensor of ``x``'s shape: equal splits of the flattened tensor over the group's ranks,
+    the same values bit for bit (data movement only), ordered on the current stream before anything that later reads
+    the result (c10d's synchronous collective; the original waits on it with ``wait_tensor``), without the
+    functional layer. The original runs under torch.compile (Dynamo traces the functional collective), when autograd
+    would record the call or a transform (forward AD, functorch, ``torch.jit.trace``) is active, under a Python
+    torch-function or dispatch mode (``FakeTensorMode``, ``make_fx``, flop counters, ``torch.set_default_device``'s:
+    they see the functional ops, as without the patch), for tensor subclasses (``DTensor``,
+    ``AsyncCollectiveTensor``), for a ``group`` that is not a ``ProcessGroup`` (a mesh, a name, a rank outside the
+    group), for complex tensors (the original refuses them; c10d would send them as real pairs), when the flattened
+    tensor is empty, a strided view (a 1-D slice: c10d refuses it, the functional collective sends it) or does not
+    split evenly over the group (the original raises its own error), and while a CUDA graph is being captured
+    (``torchpatches.cuda_graphs.graphed``): a graph that captured c10d's collective held the host at every replay
+    for the whole step (docs/fused.md, "Context parallelism on two GPUs").
 
 Versions
     diffusers 0.36 - 0.42: ``_all_to_all_single`` fingerprinted with tools/fingerprint_diffusers.py in 0.36.0,
@@ -41,19 +43,29 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops._tiers import eager_transforms
+from ..ops._tiers import eager_transforms, needs_grad
 
 __all__ = ["PATCH"]
 
+#: Python modes on the stack (C queries; a torch without one reports none)
+_function_modes: Callable[[], bool] = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
+_dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
 _MODULE = "diffusers.models.attention_dispatch"
+
+
+def _modes_active() -> bool:
+    return bool(_function_modes() or _dispatch_modes())
 
 
 def _direct_fits(x: Any, group: Any, process_group: type) -> bool:
     return (
         type(x) is torch.Tensor
         and isinstance(group, process_group)
-        and not (x.requires_grad and torch.is_grad_enabled())
+        and not needs_grad(x)
         and not eager_transforms()
+        and not _modes_active()
+        and not x.is_complex()
         and x.numel() > 0
         and x.numel() % group.size() == 0
         and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
