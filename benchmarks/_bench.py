@@ -54,23 +54,28 @@ def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: to
     return model.eval().requires_grad_(False)
 
 
-def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int
-               ) -> Tuple[List[float], List[float]]:
+def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int,
+               before_each: Optional[Callable[[], Any]] = None) -> Tuple[List[float], List[float]]:
     """(step ms from CUDA events, host ms to enqueue the step): host close to step means CPU-bound.
 
     Each step starts on an empty queue (the previous one synchronized), so host ms is the wall time of
-    enqueueing ``step()`` alone."""
+    enqueueing ``step()`` alone. ``before_each`` runs before each timed step, outside the timing (a barrier
+    that starts every rank's step together)."""
     for _ in range(warmup):
         step()
     times, host = [], []
     if device.type != "cuda":
         for _ in range(iters):
+            if before_each is not None:
+                before_each()
             t = time.perf_counter()
             step()
             times.append((time.perf_counter() - t) * 1e3)
         return times, times
     torch.cuda.synchronize()
     for _ in range(iters):
+        if before_each is not None:
+            before_each()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t = time.perf_counter()
@@ -82,12 +87,14 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters
     return times, host
 
 
-def time_back_to_back(step: Callable[[], Any], iters: int, repeats: int) -> List[float]:
+def time_back_to_back(step: Callable[[], Any], iters: int, repeats: int,
+                      sync: Callable[[], Any] = torch.cuda.synchronize) -> List[float]:
     """ms per step of ``iters`` steps enqueued without a synchronization between them (as a pipeline's loop runs
-    them: the host's work for step n+1 overlaps the GPU's for step n), one figure per repeat, CUDA events."""
+    them: the host's work for step n+1 overlaps the GPU's for step n), one figure per repeat, CUDA events.
+    ``sync`` empties the queue before each repeat (a barrier too, where every rank must start together)."""
     per: List[float] = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):

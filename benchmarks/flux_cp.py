@@ -14,9 +14,9 @@ Each setting times every patch reverted (``vanilla``) and every patch applied (`
 ``torchpatches.cuda_graphs.graphed`` (one wrapper: the collectives are captured into the graph). A timed step starts
 on every rank together (a barrier, then each rank's queue drained): CUDA events around it, the host's wall time to
 enqueue it; ``--back-to-back N`` also times N steps enqueued without a synchronization (as a pipeline's loop runs
-them). Each rank measures itself; the table shows the slowest rank (the step ends when its last rank does), the JSON
-keeps every rank. Outputs: each variant against ``vanilla`` of the same setting (the fused glue's rounding), and
-against one-gpu vanilla (what context parallelism itself changes; the first setting's vanilla with
+them; on CUDA). Each rank measures itself; the table shows the slowest rank (the step ends when its last rank does),
+the JSON keeps every rank. Outputs: each variant against ``vanilla`` of the same setting (the fused glue's
+rounding), and against one-gpu vanilla (what context parallelism itself changes; the first setting's vanilla with
 ``--no-one-gpu``). ``--profile``: rank 0's GPU kernel time by class and launches per step, per variant;
 ``--host-profile TOP``: rank 0's cProfile of vanilla and all (host_profile.py's grouping), and the fused ops'
 launches that fell back to ``kernel[grid]``.
@@ -40,6 +40,7 @@ import _bench  # noqa: E402,I001  (before torch: turns Inductor's caches off)
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Dict, Iterator, List, Optional  # noqa: E402
@@ -47,7 +48,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _bench import profile, rel_err, save_json, state, versions  # noqa: E402
+from _bench import profile, rel_err, save_json, state, time_back_to_back, time_steps, versions  # noqa: E402
 from flux_fused import CONFIGS, TINY, build, inputs  # noqa: E402
 
 #: mode -> (ContextParallelConfig's degree argument, attention backend on CUDA, on CPU)
@@ -61,49 +62,6 @@ def _barrier(device: torch.device) -> None:
         torch.cuda.synchronize()
     else:
         dist.barrier()
-
-
-def time_synced(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> Dict[str, float]:
-    """Median step ms (CUDA events; wall time on CPU) and host ms to enqueue it, each step started together."""
-    for _ in range(warmup):
-        step()
-    _barrier(device)
-    times, host = [], []
-    for _ in range(iters):
-        _barrier(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t = time.perf_counter()
-        step()
-        host.append((time.perf_counter() - t) * 1e3)
-        if device.type == "cuda":
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            times.append(host[-1])
-    return {"step_ms": statistics.median(times), "host_ms": statistics.median(host)}
-
-
-def time_back_to_back(step: Callable[[], Any], device: torch.device, iters: int, repeats: int = 3) -> float:
-    """Median over ``repeats`` of ms per step for ``iters`` steps enqueued without a synchronization."""
-    per = []
-    for _ in range(repeats):
-        _barrier(device)
-        t = time.perf_counter()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        for _ in range(iters):
-            step()
-        if device.type == "cuda":
-            end.record()
-            end.synchronize()
-            per.append(start.elapsed_time(end) / iters)
-        else:
-            per.append((time.perf_counter() - t) * 1e3 / iters)
-    return statistics.median(per)
 
 
 @contextlib.contextmanager
@@ -156,9 +114,12 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
             for variant in variants:
                 with state(variant.split(":")[-1]):
                     step = step_of[variant]
-                    timing = time_synced(step, device, args.warmup, args.iters)
-                    if args.back_to_back:
-                        timing["back_to_back_ms"] = time_back_to_back(step, device, args.back_to_back)
+                    together = functools.partial(_barrier, device)
+                    times, host = time_steps(step, device, args.warmup, args.iters, before_each=together)
+                    timing = {"step_ms": statistics.median(times), "host_ms": statistics.median(host)}
+                    if args.back_to_back and device.type == "cuda":
+                        timing["back_to_back_ms"] = statistics.median(
+                            time_back_to_back(step, args.back_to_back, 3, sync=together))
                     rows[variant]["rounds"].append(timing)
                     if round_ == 0:
                         rows[variant]["output"] = step()[0].float().cpu()

@@ -44,7 +44,7 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops._tiers import eager_transforms, needs_grad
+from ..ops._tiers import eager_transforms
 
 __all__ = ["PATCH"]
 
@@ -63,8 +63,7 @@ def _direct_fits(x: Any, group: Any, process_group: type) -> bool:
     return (
         type(x) is torch.Tensor
         and isinstance(group, process_group)
-        and not needs_grad(x)
-        and not eager_transforms()
+        and not (x.requires_grad and torch.is_grad_enabled())
         and not _modes_active()
         and not x.is_complex()
         and x.numel() > 0
@@ -80,7 +79,7 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     all_to_all_single = dist.all_to_all_single
 
     def _all_to_all_single(x: torch.Tensor, group: Any) -> torch.Tensor:
-        if is_compiling() or not _direct_fits(x, group, process_group):
+        if is_compiling() or eager_transforms() or not _direct_fits(x, group, process_group):
             return original(x, group)
         flat = x.reshape(-1)
         if not flat.is_contiguous():  # a strided 1-D view: the original says what the collective says

@@ -22,10 +22,10 @@ What the patch changes
     stretch saves is on a context-parallel step's critical path).
     Everything else runs diffusers' own ``__call__``: ``torch.compile`` (Inductor fuses this stretch
     itself), norms that are not stock ``torch.nn.RMSNorm`` with a weight of the activations' dtype, hooked
-    norms, no rotary embedding or one that is not FLUX's fp32 ``(cos, sin)`` tables,
-    gradients (also forward AD and functorch transforms), ``torch.jit.trace``, autocast,
-    a replaced global of the processor (a user's own ``apply_rotary_emb``, ``dispatch_attention_fn``) or of
-    ``F.rms_norm`` / ``RMSNorm.forward`` / ``torch.cat``, tensor subclasses, CPU tensors.
+    norms, no rotary embedding or one that is not FLUX's fp32 ``(cos, sin)`` tables, gradients (also forward
+    AD and functorch transforms), ``torch.jit.trace``, autocast, a replaced global of the processor (a
+    user's own ``apply_rotary_emb``, ``dispatch_attention_fn``) or of ``F.rms_norm`` / ``RMSNorm.forward`` /
+    ``torch.cat``, tensor subclasses, CPU tensors.
 
 Tolerance
     torch's fused RMSNorm then diffusers' RoPE, rounding at the same two points; fp32 reduction order
@@ -68,7 +68,7 @@ def _rotary_fits(image_rotary_emb: Any, x: torch.Tensor, rows: int) -> bool:
     return True
 
 
-def _common_ok(processor: Any, attn: Any, hidden_states: Any, image_rotary_emb: Any,
+def _common_ok(attn: Any, hidden_states: Any, image_rotary_emb: Any,
                encoder_hidden_states: Any = None) -> bool:
     # Every tensor input counts for gradients: with a frozen model and only the prompt requiring grad
     # (prompt tuning), hidden_states needs none, but the text q/k/v do.
@@ -226,7 +226,7 @@ def _processor(module_name: str, finish: Callable[..., Any]) -> Callable[..., An
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
         joint = _joint_ok(attn, encoder_hidden_states)
-        if joint is None or not _common_ok(self, attn, hidden_states, image_rotary_emb, encoder_hidden_states):
+        if joint is None or not _common_ok(attn, hidden_states, image_rotary_emb, encoder_hidden_states):
             return FALLBACK
         module = sys.modules[module_name]
         query, key, value = _qkv(module, attn, hidden_states, encoder_hidden_states, image_rotary_emb, joint)
@@ -255,7 +255,7 @@ def _swiglu_into(module: Any, attn: Any, mlp_hidden_states: torch.Tensor, attn_o
 
 
 def _flux2_parallel(self, attn, hidden_states, attention_mask=None, image_rotary_emb=None):
-    if not _common_ok(self, attn, hidden_states, image_rotary_emb):
+    if not _common_ok(attn, hidden_states, image_rotary_emb):
         return FALLBACK
     module = sys.modules[_FLUX2]
     # diffusers 0.42.1 Flux2ParallelSelfAttnProcessor.__call__, with the q/k stretch fused.
