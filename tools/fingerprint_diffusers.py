@@ -28,22 +28,21 @@ import importlib, json, sys, warnings
 warnings.simplefilter("ignore")
 import diffusers
 from torchpatches._gates import fingerprint
-from torchpatches.patches import compile_warnings, cp_all_to_all, lora_scale, rope
+from torchpatches._slot import SkipTarget, find
+from torchpatches.patches import compile_warnings, cp_all_to_all, cp_ring_gather, lora_scale, rope
 
 def look(path):
-    module, qualname = path.split(":")
     try:
-        obj = importlib.import_module(module)
+        module = importlib.import_module(path.split(":")[0])
     except ImportError:
         return "no module"
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return "missing"
-    return fingerprint(obj)
+    try:
+        return fingerprint(find(module, path)[2])  # what the registry fingerprints (a staticmethod as such)
+    except SkipTarget:
+        return "missing"
 
 found = {"diffusers": diffusers.__version__, "targets": {}}
-for patch in (rope.PATCH, lora_scale.PATCH, cp_all_to_all.PATCH, compile_warnings.PATCH):
+for patch in (rope.PATCH, lora_scale.PATCH, cp_all_to_all.PATCH, cp_ring_gather.PATCH, compile_warnings.PATCH):
     for target in patch.targets:
         value = look(target.path)
         found["targets"][target.path] = [value, value in target.fingerprints]

@@ -49,7 +49,7 @@ CASES: Dict[str, Tuple[Dict[str, Any], Any, Dict[str, Any], bool]] = {
 MODELS = ("flux1", "flux2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Patches applied in the patched run (and reverted in the unpatched one) besides the fused patterns.
-EXTRA = ("rope", "cp_all_to_all")
+EXTRA = ("rope", "cp_all_to_all", "cp_ring_gather")
 #: The fused ops whose calls are counted (their ``_impl``: the body every tier and dispatch reaches).
 OPS = ("modulate", "qk_norm_rope", "swiglu", "slices")
 #: Seconds a collective may wait for the other rank before it raises (a failing rank must not hang the test).
@@ -68,8 +68,8 @@ def _one_device() -> Iterator[None]:
 
 
 def _cpu_flash_kernel() -> torch.library.Library:
-    """A CPU kernel for ``aten::_scaled_dot_product_flash_attention`` (diffusers' ``_native_flash`` backend,
-    the ring's log-sum-exp), through torch's CPU flash attention. Kept alive by the returned library."""
+    """CPU kernels for ``aten::_scaled_dot_product_flash_attention`` and its backward (diffusers' ``_native_flash``
+    backend, the ring's log-sum-exp), through torch's CPU flash attention. Kept alive by the returned library."""
     lib = torch.library.Library("aten", "IMPL")
 
     def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
@@ -78,7 +78,13 @@ def _cpu_flash_kernel() -> torch.library.Library:
         empty = torch.empty(0, dtype=torch.int64)
         return out, lse, empty, empty, query.shape[2], key.shape[2], empty, empty, query.new_empty(0)
 
+    def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                       is_causal, philox_seed, philox_offset, *, scale=None):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+
     lib.impl("_scaled_dot_product_flash_attention", flash, "CPU")
+    lib.impl("_scaled_dot_product_flash_attention_backward", flash_backward, "CPU")
     return lib
 
 
@@ -99,18 +105,20 @@ def _count_op_calls(counts: Dict[str, Any]) -> None:
         module._impl = counting
 
 
-def _count_functional_all_to_all(counts: Dict[str, Any]) -> None:
-    """Count ``funcol.all_to_all_single`` calls: diffusers' Ulysses exchange when ``cp_all_to_all`` is reverted
-    (and its uneven-shard exchanges always); none from ``_all_to_all_single`` while it is applied."""
+def _count_functional_collectives(counts: Dict[str, Any]) -> None:
+    """Count ``funcol.all_to_all_single`` calls (diffusers' Ulysses exchange when ``cp_all_to_all`` is reverted, its
+    uneven-shard exchanges always) and ``funcol.all_gather_tensor`` calls (the ring's key/value gather when
+    ``cp_ring_gather`` is reverted, the uneven ring's always, and the output gather of diffusers' hooks)."""
     import torch.distributed._functional_collectives as funcol
 
-    real = funcol.all_to_all_single
+    for name, key in (("all_to_all_single", "functional_all_to_all"), ("all_gather_tensor", "functional_all_gather")):
+        real = getattr(funcol, name)
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        counts["functional_all_to_all"] += 1
-        return real(*args, **kwargs)
+        def counting(*args: Any, _real: Callable[..., Any] = real, _key: str = key, **kwargs: Any) -> Any:
+            counts[_key] += 1
+            return _real(*args, **kwargs)
 
-    funcol.all_to_all_single = counting
+        setattr(funcol, name, counting)
 
 
 def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> Dict[str, Any]:
@@ -139,7 +147,7 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
         counts.clear()
         with torchpatches.disabled(*FUSED, *EXTRA):
             vanilla = model(**inputs, return_dict=False)[0]
-        functional_vanilla = counts["functional_all_to_all"]
+        functional_vanilla = [counts["functional_all_to_all"], counts["functional_all_gather"]]
         counts.clear()
         counts["tokens"] = set()
         with force_tier("torch"):
@@ -151,27 +159,33 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
         shape=list(fused.shape),
         vs_single=float((vanilla.float() - single.float()).abs().max()) if vanilla.shape == single.shape else None,
         counts={op: counts[op] for op in OPS},
-        functional_all_to_all=[functional_vanilla, counts["functional_all_to_all"]],  # unpatched, patched
+        functional_all_to_all=[functional_vanilla[0], counts["functional_all_to_all"]],  # unpatched, patched
+        functional_all_gather=[functional_vanilla[1], counts["functional_all_gather"]],
         tokens=sorted(counts["tokens"]),
         processors_parallel=sum(getattr(p, "_parallel_config", None) is not None for p in processors),
         processors=len(processors),
     )
 
 
-def _grad_case(counts: Dict[str, Any]) -> Dict[str, Any]:
-    """Ulysses with autograd on tiny FLUX.1 (fp32): the output and the input's gradient with every patch reverted and
-    applied. The fused patterns step aside (grad); diffusers' Ulysses ``autograd.Function`` exchanges in its forward
-    and backward with grad off, where ``cp_all_to_all`` takes c10d's collective."""
+def _grad_case(mode: str, counts: Dict[str, Any]) -> Dict[str, Any]:
+    """A training step under context parallelism on tiny FLUX.1 (fp32): the output and the input's gradient with every
+    patch reverted and applied, and the functional collectives each made. The fused patterns step aside (grad).
+    Ulysses: diffusers' ``autograd.Function`` exchanges in its forward and backward with grad off, where
+    ``cp_all_to_all`` takes c10d's collective. Ring: ``cp_ring_gather``'s forward gathers through c10d and leaves on
+    ``ctx`` what diffusers' own backward (gathering through the functional collective) reads."""
     import torchpatches
     from _fused_models import FUSED
     from diffusers import ContextParallelConfig
     from torchpatches._harness import build_model, tiny_inputs
 
+    config_args, backend, _, _ = CASES[mode]
     model = build_model("flux1-fused")
     inputs = tiny_inputs("flux1-fused")
     inputs.pop("return_dict")
+    if backend is not None:
+        model.set_attention_backend(backend)
     with _one_device():
-        model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
+        model.enable_parallelism(config=ContextParallelConfig(**config_args))
     runs = []
     for patched in (False, True):
         hidden = inputs["hidden_states"].detach().clone().requires_grad_(True)
@@ -181,10 +195,10 @@ def _grad_case(counts: Dict[str, Any]) -> Dict[str, Any]:
                 stack.enter_context(torchpatches.disabled(*FUSED, *EXTRA))
             out = model(**{**inputs, "hidden_states": hidden}, return_dict=False)[0]
             out.square().sum().backward()
-        runs.append((out.detach(), hidden.grad, counts["functional_all_to_all"]))
+        runs.append((out.detach(), hidden.grad, [counts["functional_all_to_all"], counts["functional_all_gather"]]))
     (out0, grad0, calls0), (out1, grad1, calls1) = runs
     return dict(equal=bool(torch.equal(out0, out1)), grad_equal=bool(torch.equal(grad0, grad1)),
-                grad_nonzero=bool(grad0.abs().sum() > 0), functional_all_to_all=[calls0, calls1])
+                grad_nonzero=bool(grad0.abs().sum() > 0), functional=[calls0, calls1])
 
 
 def _native_ring_error() -> str:
@@ -223,10 +237,11 @@ def _rank(rank: int, store: str, folder: str, repo_tests: str) -> None:
         torchpatches.apply([*FUSED, *EXTRA])
         counts: Dict[str, Any] = collections.Counter()
         _count_op_calls(counts)
-        _count_functional_all_to_all(counts)
+        _count_functional_collectives(counts)
         results["ring-native"] = _native_ring_error()
-        results["ulysses-grad"] = _grad_case(counts)
         kernel = _cpu_flash_kernel()
+        for mode in ("ulysses", "ring"):
+            results[f"{mode}-grad"] = _grad_case(mode, counts)
         for name in CASES:
             for which in MODELS:
                 for dtype_name, dtype in DTYPES.items():

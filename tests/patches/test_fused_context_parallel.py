@@ -3,10 +3,11 @@
 ``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and
 uneven shards (``ulysses_anything`` / ``ring_anything``), fp32 and bf16, the PyTorch tier forced so the fused
 glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and
-``rope``, ``cp_all_to_all``) reverted. The fused block / norm / activation patterns and the processors' q/k
+``rope``, ``cp_all_to_all``, ``cp_ring_gather``) reverted. The fused block / norm / activation patterns and the processors' q/k
 stretch ran on that rank's shard of the sequence, the processors passing their ``_parallel_config`` to
 diffusers' attention call; Ulysses' all-to-alls went through c10d (``cp_all_to_all``), also in the backward of a
-training step (output and input gradient bit-identical). What diffusers 0.42.1 lacks on a CPU-only host, and what
+training step, and so did ring attention's key/value gathers (``cp_ring_gather``), whose forward leaves diffusers'
+own ring backward what it reads (output and input gradient of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what
 the ranks supply, is in ``_context_parallel.py``.
 
 One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not
@@ -45,6 +46,14 @@ EXPECTED = {
 #: (4 per attention call, 3 calls), which ``cp_all_to_all`` sends through c10d; the uneven shards' exchange
 #: (``ulysses_anything``, split sizes) is another function of diffusers, left as it is; ring attention gathers.
 FUNCTIONAL_ALL_TO_ALL = {"ulysses": [12, 0], "ulysses-uneven": [12, 12], "ring": [0, 0], "ring-uneven": [0, 0]}
+#: ``funcol.all_gather_tensor`` calls per forward, (unpatched, patched): ring attention gathers keys and values once
+#: per attention call, which ``cp_ring_gather`` sends through c10d; diffusers' output gather (1, even shards only)
+#: and the uneven ring's gathers (``TemplatedRingAnythingAttention``) are left as they are.
+FUNCTIONAL_ALL_GATHER = {"ulysses": [1, 1], "ulysses-uneven": [0, 0], "ring": [4, 1], "ring-uneven": [3, 3]}
+#: Functional collectives of a training step, [all-to-all, all-gather] unpatched and patched. Ulysses: 12 exchanges
+#: forward and 12 backward, none functional with ``cp_all_to_all``. Ring: 3 gathers forward (c10d with
+#: ``cp_ring_gather``), and diffusers' backward's 3 gathers and 6 permutes (all-to-alls), left as they are.
+GRAD_FUNCTIONAL = {"ulysses": [[24, 1], [0, 1]], "ring": [[6, 7], [6, 4]]}
 #: Tokens per rank (image + text, and each stream alone): even 16 + 8 -> 8 + 4; uneven 9 + 7 -> 5 + 4 / 4 + 3.
 TOKENS = {True: [[4, 8, 12], [4, 8, 12]], False: [[4, 5, 9], [3, 4, 7]]}
 
@@ -68,6 +77,7 @@ def test_fused_glue_on_each_shard_equals_diffusers(ranks: List[Dict[str, Any]], 
         assert got["equal"], (rank, got)
         assert got["counts"] == EXPECTED[which], (rank, got)
         assert got["functional_all_to_all"] == FUNCTIONAL_ALL_TO_ALL[case], (rank, got)
+        assert got["functional_all_gather"] == FUNCTIONAL_ALL_GATHER[case], (rank, got)
         assert got["tokens"] == TOKENS[gathered][rank], (rank, got)  # the patterns saw this rank's shard
         assert got["processors"] > 0 and got["processors_parallel"] == got["processors"], (rank, got)
         # Context parallelism itself computed the model (the shard, or all of it after the gather).
@@ -81,10 +91,12 @@ def test_ring_attention_needs_a_log_sum_exp_on_cpu(ranks: List[Dict[str, Any]]) 
         assert results["ring-native"] == "ValueError: Native attention does not support return_lse=True"
 
 
-def test_ulysses_backward_exchanges_through_c10d_with_the_same_gradient(ranks: List[Dict[str, Any]]) -> None:
-    """Training through Ulysses (tiny FLUX.1, fp32): diffusers' ``autograd.Function`` exchanges 12 times forward and
-    12 backward; with ``cp_all_to_all`` none of them takes the functional path, and output and input gradient equal
-    the unpatched ones bit for bit (the fused patterns step aside under autograd)."""
+@pytest.mark.parametrize("mode", sorted(GRAD_FUNCTIONAL))
+def test_a_training_step_gives_the_same_gradient(ranks: List[Dict[str, Any]], mode: str) -> None:
+    """Training through Ulysses or ring attention (tiny FLUX.1, fp32): with every patch applied, output and input
+    gradient equal the unpatched ones bit for bit (the fused patterns step aside under autograd), and the forward's
+    collectives left the functional path (``cp_all_to_all``, ``cp_ring_gather``)."""
     for rank, results in enumerate(ranks):
-        got = results["ulysses-grad"]
-        assert got == dict(equal=True, grad_equal=True, grad_nonzero=True, functional_all_to_all=[24, 0]), (rank, got)
+        got = results[f"{mode}-grad"]
+        assert got == dict(equal=True, grad_equal=True, grad_nonzero=True,
+                           functional=GRAD_FUNCTIONAL[mode]), (rank, got)

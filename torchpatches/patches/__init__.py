@@ -2,7 +2,7 @@
 
 #: Patch modules in the order they apply and are reported: compile-time patches, the FLUX eager fusions, those
 #: of SD3, Wan and QwenImage, then peft's LoRA layers and diffusers' LoRA scale walk, then context parallelism's
-#: all-to-all.
+#: collectives.
 PATCH_MODULES = (
     "inductor_realize", "compile_warnings", "rope",
     "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
@@ -10,5 +10,5 @@ PATCH_MODULES = (
     "wan_block", "wan_qk_norm_rope",
     "qwenimage_block", "qwenimage_qk_norm_rope",
     "lora", "lora_scale",
-    "cp_all_to_all",
+    "cp_all_to_all", "cp_ring_gather",
 )

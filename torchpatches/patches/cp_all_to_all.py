@@ -38,38 +38,22 @@ When to delete
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
 from ..ops._tiers import eager_transforms
+from ._direct_collectives import direct_fits, distributed_missing
 
 __all__ = ["PATCH"]
-
-#: Python modes on the stack (C queries; a torch without one reports none)
-_function_modes: Callable[[], bool] = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
-_dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 _MODULE = "diffusers.models.attention_dispatch"
 
 
-def _modes_active() -> bool:
-    return bool(_function_modes() or _dispatch_modes())
-
-
 def _direct_fits(x: Any, group: Any, process_group: type) -> bool:
-    return (
-        type(x) is torch.Tensor
-        and isinstance(group, process_group)
-        and not (x.requires_grad and torch.is_grad_enabled())
-        and not _modes_active()
-        and not x.is_complex()
-        and x.numel() > 0
-        and x.numel() % group.size() == 0
-        and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
-    )
+    return direct_fits(x, group, process_group) and x.numel() % group.size() == 0
 
 
 def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,12 +76,6 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
     return _all_to_all_single
 
 
-def _distributed_missing() -> Optional[str]:
-    if not torch.distributed.is_available():
-        return "torch.distributed is not available in this torch build"
-    return None
-
-
 PATCH = Patch(
     name="cp_all_to_all",
     summary="diffusers' Ulysses all-to-all (context parallelism) through c10d directly in eager",
@@ -106,5 +84,5 @@ PATCH = Patch(
                fingerprints=frozenset({"7fe3c3e9aff59e68"})),
     ),
     requires={"diffusers": ">=0.36,<0.43"},
-    precondition=_distributed_missing,
+    precondition=distributed_missing,
 )

@@ -1,0 +1,177 @@
+"""``cp_ring_gather``: diffusers' ring attention gathers keys and values through c10d, with the original's values.
+
+In this process, over a one-rank gloo group (the gather is then a copy; the ring loop runs once): the patched
+``TemplatedRingAttention`` gives the original's output and log-sum-exp bit for bit (two dtypes, with and without the
+log-sum-exp returned), calls no functional collective and warns nothing (the functional gather's ``FutureWarning``
+is an error under ``-W error``); what the patch hands back (torch.compile -- also a real ``fullgraph`` trace --, forward
+AD, a dispatch mode, a tensor subclass, a group that is not a ``ProcessGroup``) reaches the functional gather; revert
+puts back the registry's original (a ``staticmethod``). Two ranks gathering real shards, the ring's log-sum-exp
+merge and a training step through diffusers' own backward run in ``test_fused_context_parallel.py``.
+"""
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any, Iterator, List
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
+
+import torch.distributed as dist  # noqa: E402
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+
+import torchpatches  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
+from torchpatches.patches import cp_ring_gather  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Any]:
+    if dist.is_initialized():  # pragma: no cover - another test left a default group
+        pytest.skip("a default process group exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def ring() -> Any:
+    torchpatches.apply(["cp_ring_gather"])
+    from diffusers.models.attention_dispatch import TemplatedRingAttention
+
+    return TemplatedRingAttention
+
+
+@pytest.fixture
+def gathers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
+    """One entry per ``funcol.all_gather_tensor`` call (what diffusers' ring forward makes)."""
+    calls: List[int] = []
+    real = funcol.all_gather_tensor
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(funcol, "all_gather_tensor", counting)
+    return calls
+
+
+def _attention_with_lse(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
+                        dropout_p: float, is_causal: bool, scale: Any, enable_gqa: bool, return_lse: bool,
+                        _save_ctx: bool = True, _parallel_config: Any = None) -> Any:
+    """A forward op of diffusers' template ([B, S, H, D] in and out, the log-sum-exp [B, S, H]) that runs on CPU."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p, is_causal, scale=scale)
+    return out.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _config(group: Any) -> Any:
+    """The part of diffusers' ``ParallelConfig`` the ring forward reads."""
+    cp = types.SimpleNamespace(_ring_mesh=types.SimpleNamespace(get_group=lambda: group), _ring_local_rank=0,
+                               ring_degree=1, convert_to_fp32=True)
+    return types.SimpleNamespace(context_parallel_config=cp)
+
+
+def _qkv(dtype: torch.dtype = torch.float32) -> List[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 6, 2, 8, generator=generator).to(dtype) for _ in range(3)]
+
+
+def _call(ring: Any, group: Any, qkv: List[torch.Tensor], return_lse: bool = True, config: Any = None) -> Any:
+    config = _config(group) if config is None else config
+    return ring.apply(*qkv, None, 0.0, False, None, False, return_lse, _attention_with_lse, None, config)
+
+
+@pytest.mark.parametrize("return_lse", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c10d_gather_gives_the_original_output(group: Any, ring: Any, gathers: List[int], dtype: torch.dtype,
+                                                   return_lse: bool) -> None:
+    qkv = _qkv(dtype)
+    with torchpatches.disabled("cp_ring_gather"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the functional gather's deprecation, torch >= 2.11
+        expected = _call(ring, group, qkv, return_lse)
+    assert len(gathers) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the patched eager call warns nothing
+        got = _call(ring, group, qkv, return_lse)
+    assert len(gathers) == 1  # the patched call gathered through c10d
+    expected, got = (x if return_lse else (x,) for x in (expected, got))
+    for e, g in zip(expected, got):
+        assert type(g) is torch.Tensor and g.dtype == e.dtype and torch.equal(g, e)
+
+
+class PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class Sub(torch.Tensor):
+    pass
+
+
+class NotAGroup:
+    """What a mesh dimension's name or a rank list would be to c10d: not a ``ProcessGroup``."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+
+@pytest.mark.parametrize("case", ["compiling", "forward AD", "dispatch mode", "subclass", "not a process group"])
+def test_the_functional_gather_runs_for_what_c10d_does_not_cover(group: Any, ring: Any, gathers: List[int],
+                                                                 monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    qkv = _qkv()
+    warnings.simplefilter("ignore", FutureWarning)
+    if case == "compiling":  # what Dynamo's constant-folded check reads while it traces: the original forward
+        monkeypatch.setattr(cp_ring_gather, "is_compiling", lambda: True)
+        _call(ring, group, qkv)
+    elif case == "forward AD":
+        import torch.autograd.forward_ad as fwAD
+
+        with fwAD.dual_level():
+            _call(ring, group, qkv)
+    elif case == "dispatch mode":
+        with PassThrough():
+            _call(ring, group, qkv)
+    elif case == "subclass":  # the functional collective's own answer to a plain subclass
+        with pytest.raises(RuntimeError, match="subclass Sub"):
+            _call(ring, group, [x.as_subclass(Sub) for x in qkv])
+    else:  # c10d's collective would refuse the object; the functional one is handed what diffusers hands it
+        with pytest.raises(Exception):
+            _call(ring, NotAGroup(group), qkv)
+    assert len(gathers) == 1, case
+
+
+def test_dynamo_traces_the_original_in_one_graph(group: Any, ring: Any) -> None:
+    """Under torch.compile the replacement hands Dynamo diffusers' own forward: one graph, no break, same values."""
+    import torch._dynamo
+
+    qkv, config = _qkv(), _config(group)
+    expected = _call(ring, group, qkv)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        compiled = torch.compile(lambda q, k, v: _call(ring, group, [q, k, v], config=config), backend="eager", fullgraph=True)
+        got = compiled(*qkv)
+    torch._dynamo.reset()
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_revert_puts_the_original_staticmethod_back(ring: Any) -> None:
+    patched = ring.__dict__["forward"]
+    original = getattr(patched, MARK_ORIGINAL)  # what the registry found in diffusers' class
+    assert isinstance(patched, staticmethod) and isinstance(original, staticmethod) and original is not patched
+    assert original.__func__.__code__.co_filename.endswith("attention_dispatch.py")
+    torchpatches.revert("cp_ring_gather")
+    try:
+        assert ring.__dict__["forward"] is original
+    finally:
+        torchpatches.apply(["cp_ring_gather"])
+    assert ring.__dict__["forward"] is patched

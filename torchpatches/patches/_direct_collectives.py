@@ -1,0 +1,45 @@
+"""When one of diffusers' context-parallel collectives may go through c10d directly instead of the functional
+collectives: the conditions ``cp_all_to_all`` and ``cp_ring_gather`` share (their banners say why each one).
+
+The functional collectives are what Dynamo traces and what autograd, transforms, Python modes and tensor
+subclasses see; c10d's synchronous collective is the same data movement without their Python layer. So c10d may
+stand in only for a plain, non-empty, real tensor that nothing records or intercepts, over a ``ProcessGroup``, outside
+a CUDA-graph capture (a graph that captured c10d's collective held the host at every replay for the whole step:
+docs/fused.md, "Context parallelism on two GPUs"). Compiling and transforms are checked by the callers, next to
+``is_compiling`` as the other patches do.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["direct_fits", "distributed_missing"]
+
+#: Python modes on the stack (C queries; a torch without one reports none)
+_function_modes: Callable[[], bool] = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
+_dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+
+
+def _modes_active() -> bool:
+    return bool(_function_modes() or _dispatch_modes())
+
+
+def direct_fits(x: Any, group: Any, process_group: type) -> bool:
+    """True where c10d's collective may move ``x`` over ``group`` in place of the functional one."""
+    return (
+        type(x) is torch.Tensor
+        and isinstance(group, process_group)
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and not _modes_active()
+        and not x.is_complex()
+        and x.numel() > 0
+        and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    )
+
+
+def distributed_missing() -> Optional[str]:
+    """The skip reason of a patch that needs ``torch.distributed``, or None."""
+    if not torch.distributed.is_available():
+        return "torch.distributed is not available in this torch build"
+    return None
