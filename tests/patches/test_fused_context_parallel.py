@@ -3,13 +3,12 @@
 ``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and
 uneven shards (``ulysses_anything`` / ``ring_anything``), fp32 and bf16, the PyTorch tier forced so the fused
 glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and
-``rope``, ``cp_all_to_all``, ``cp_ring_gather``, ``cp_ulysses_qkv``) reverted. The fused block / norm / activation
-patterns and the processors' q/k stretch ran on that rank's shard of the sequence, the processors passing their
-``_parallel_config`` to diffusers' attention call. Ulysses exchanged q, k and v in one all-to-all
-(``cp_ulysses_qkv``), and its all-to-alls went through c10d (``cp_all_to_all``); ring attention's key/value gathers
-went through c10d too (``cp_ring_gather``). A training step in each mode (diffusers' own backward) gives the same
-output and input gradient bit for bit. What diffusers 0.42.1 lacks on a CPU-only host, and what the ranks supply, is
-in ``_context_parallel.py``.
+``rope``, ``cp_all_to_all``, ``cp_ring_gather``) reverted. The fused block / norm / activation patterns and the processors' q/k
+stretch ran on that rank's shard of the sequence, the processors passing their ``_parallel_config`` to
+diffusers' attention call; Ulysses' all-to-alls went through c10d (``cp_all_to_all``), also in the backward of a
+training step, and so did ring attention's key/value gathers (``cp_ring_gather``), whose forward leaves diffusers'
+own ring backward what it reads (output and input gradient of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what
+the ranks supply, is in ``_context_parallel.py``.
 
 One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not
 depend on torch's release, so one session of the matrix runs it (marker ``once``: tests-2.13.0).
@@ -43,12 +42,10 @@ EXPECTED = {
     "flux1": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 0, "slices": 4},
     "flux2": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 4, "slices": 2},
 }
-#: ``funcol.all_to_all_single`` calls per forward: unpatched, patched, patched but ``cp_all_to_all``. Ulysses
-#: exchanges q, k, v and the output (4 per attention call, 3 calls; 2 with ``cp_ulysses_qkv``, which exchanges q, k and
-#: v together), which ``cp_all_to_all`` sends through c10d; the uneven shards' exchange (``ulysses_anything``, split
-#: sizes) is other code of diffusers, left as it is; ring attention gathers.
-FUNCTIONAL_ALL_TO_ALL = {"ulysses": [12, 0, 6], "ulysses-uneven": [12, 12, 12], "ring": [0, 0, 0],
-                         "ring-uneven": [0, 0, 0]}
+#: ``funcol.all_to_all_single`` calls per forward, (unpatched, patched): Ulysses exchanges q, k, v and the output
+#: (4 per attention call, 3 calls), which ``cp_all_to_all`` sends through c10d; the uneven shards' exchange
+#: (``ulysses_anything``, split sizes) is another function of diffusers, left as it is; ring attention gathers.
+FUNCTIONAL_ALL_TO_ALL = {"ulysses": [12, 0], "ulysses-uneven": [12, 12], "ring": [0, 0], "ring-uneven": [0, 0]}
 #: ``funcol.all_gather_tensor`` calls per forward, (unpatched, patched): ring attention gathers keys and values once
 #: per attention call, which ``cp_ring_gather`` sends through c10d; diffusers' output gather (1, even shards only)
 #: and the uneven ring's gathers (``TemplatedRingAnythingAttention``) are left as they are.

@@ -14,15 +14,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["direct_fits", "distributed_missing", "modes_active"]
+__all__ = ["direct_fits", "distributed_missing"]
 
 #: Python modes on the stack (C queries; a torch without one reports none)
 _function_modes: Callable[[], bool] = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
 _dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
-def modes_active() -> bool:
-    """A Python torch-function or dispatch mode is on the stack (it would see other ops than without a patch)."""
+def _modes_active() -> bool:
     return bool(_function_modes() or _dispatch_modes())
 
 
@@ -32,7 +31,7 @@ def direct_fits(x: Any, group: Any, process_group: type) -> bool:
         type(x) is torch.Tensor
         and isinstance(group, process_group)
         and not (x.requires_grad and torch.is_grad_enabled())
-        and not modes_active()
+        and not _modes_active()
         and not x.is_complex()
         and x.numel() > 0
         and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
