@@ -10,8 +10,8 @@ Per model (FLUX.1-dev dims, and FLUX.2's 2 + 12 blocks with ``--models flux1,flu
             not return)
 
 Each setting times every patch reverted (``vanilla``) and every patch applied (``all``) -- or ``--variants``, e.g.
-``vanilla,all,-cp_all_to_all`` -- alternated A B A B (``--rounds``), and with ``--graphed`` both again through
-``torchpatches.cuda_graphs.graphed`` (one wrapper: the collectives are captured into the graph). A timed step starts
+``vanilla,all,-cp_all_to_all`` -- alternated A B A B (``--rounds``), and with ``--graphed`` each variant again through
+``torchpatches.cuda_graphs.graphed`` (one wrapper, a graph per variant: the collectives are captured into the graph). A timed step starts
 on every rank together (a barrier, then each rank's queue drained): CUDA events around it, the host's wall time to
 enqueue it; ``--back-to-back N`` also times N steps enqueued without a synchronization (as a pipeline's loop runs
 them; on CUDA). Each rank measures itself; the table shows the slowest rank (the step ends when its last rank does),
@@ -104,7 +104,7 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
         from torchpatches.cuda_graphs import graphed
 
         wrapper = graphed(model)
-    variants = list(args.variants) + (["graphed:vanilla", "graphed:all"] if wrapper is not None else [])
+    variants = list(args.variants) + ([f"graphed:{v}" for v in args.variants] if wrapper is not None else [])
     for variant in variants:
         call = wrapper if variant.startswith("graphed:") else model
         step_of[variant] = lambda call=call: call(**feed)
@@ -248,7 +248,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--back-to-back", type=int, default=8, help="steps per unsynchronized run (0: none)")
-    p.add_argument("--graphed", action="store_true", help="also both states through cuda_graphs.graphed")
+    p.add_argument("--graphed", action="store_true", help="also every variant through cuda_graphs.graphed")
     p.add_argument("--profile", action="store_true", help="rank 0's kernel time by class, per variant")
     p.add_argument("--host-profile", type=int, default=0, metavar="TOP",
                    help="cProfile 3 steps of vanilla and all per setting: self time by group, the TOP functions")
