@@ -158,7 +158,8 @@ def test_dynamo_traces_the_original_in_one_graph(group: Any, ring: Any) -> None:
     torch._dynamo.reset()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        compiled = torch.compile(lambda q, k, v: _call(ring, group, [q, k, v], config=config), backend="eager", fullgraph=True)
+        compiled = torch.compile(lambda q, k, v: _call(ring, group, [q, k, v], config=config), backend="eager",
+                                 fullgraph=True)
         got = compiled(*qkv)
     torch._dynamo.reset()
     assert all(torch.equal(g, e) for g, e in zip(got, expected))

@@ -1,14 +1,14 @@
 """The fused patterns under diffusers' context parallelism: two CPU ranks (gloo), tiny FLUX.1 / FLUX.2.
 
-``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and
-uneven shards (``ulysses_anything`` / ``ring_anything``), fp32 and bf16, the PyTorch tier forced so the fused
-glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and
-``rope``, ``cp_all_to_all``, ``cp_ring_gather``) reverted. The fused block / norm / activation patterns and the processors' q/k
-stretch ran on that rank's shard of the sequence, the processors passing their ``_parallel_config`` to
+``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and uneven
+shards (``ulysses_anything`` / ``ring_anything``), fp32 and bf16, the PyTorch tier forced so the fused glue runs on
+CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and ``rope``,
+``cp_all_to_all``, ``cp_ring_gather``) reverted. The fused block / norm / activation patterns and the processors'
+q/k stretch ran on that rank's shard of the sequence, the processors passing their ``_parallel_config`` to
 diffusers' attention call; Ulysses' all-to-alls went through c10d (``cp_all_to_all``), also in the backward of a
 training step, and so did ring attention's key/value gathers (``cp_ring_gather``), whose forward leaves diffusers'
-own ring backward what it reads (output and input gradient of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what
-the ranks supply, is in ``_context_parallel.py``.
+own ring backward what it reads (output and input gradient of a training step bit-identical, in both modes). What
+diffusers 0.42.1 lacks on a CPU-only host, and what the ranks supply, is in ``_context_parallel.py``.
 
 One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not
 depend on torch's release, so one session of the matrix runs it (marker ``once``: tests-2.13.0).

@@ -6,23 +6,24 @@ What goes wrong upstream
     ``funcol.all_gather_tensor``. Its result is an ``AsyncCollectiveTensor``: the ``chunk``, the slices and the
     ``reshape_as`` that follow, and the attention call that finally reads a chunk, each go through that subclass'
     ``__torch_dispatch__`` (a pytree walk per op) before the ``wait_tensor``. On a FLUX.1-dev step (57 attention
-    calls) that is about 400 dispatched ops and 95,000 more Python calls than Ulysses makes, on a step that context
-    parallelism already makes host-bound (docs/fused.md, "Context parallelism on two GPUs"). The call also warns
-    (``FutureWarning``: ``all_gather_tensor`` is deprecated) on torch 2.13, an error under ``-W error``. No
-    upstream issue as of diffusers 0.42.1.
+    calls) diffusers' ring step made 116,021 Python calls where its Ulysses step made 43,346 (rank 0 under
+    cProfile), on a step that context parallelism already makes host-bound (docs/fused.md, "Context parallelism,
+    round 9"). The call also warns (``FutureWarning``: ``all_gather_tensor`` is deprecated) on torch 2.13 (not on
+    2.11), an error under ``-W error``; diffusers' output gather hook makes the same call once per step, which this
+    patch does not change. No upstream issue as of diffusers 0.42.1.
 
 What the patch changes
-    ``TemplatedRingAttention.forward`` is diffusers' own code (0.42.1) with one line changed: in eager, the gather is
-    ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) into a new 1-D tensor, the ranks' buffers in rank order, the same
-    values bit for bit as the functional collective's (data movement only), ordered on the current stream before
-    anything that reads them, and a plain tensor, so the views and the attention call that follow are plain torch
-    calls. Everything else (the ring loop, the log-sum-exp merge, what the forward leaves on ``ctx`` for diffusers'
-    unchanged backward) is the original's. The original forward runs under torch.compile (Dynamo traces the
-    functional collective) and under a transform (functorch, forward AD, ``torch.jit.trace``); the functional gather
-    runs, as in the original, for what c10d may not replace (``_direct_collectives``: a tensor subclass, a group that
-    is not a ``ProcessGroup``, a Python torch-function or dispatch mode, complex or empty buffers, CUDA-graph
-    capture). The backward, ``TemplatedRingAnythingAttention`` (uneven shards) and the output gather of diffusers'
-    hooks are not touched.
+    ``TemplatedRingAttention.forward`` is diffusers' own code (0.42.1) with one line changed: in eager, the gather
+    is ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) into a new 1-D tensor:
+    the ranks' buffers in rank order, the same values bit for bit as the functional collective's (data movement
+    only), ordered on the current stream before anything that reads them, and a plain tensor, so the views and the
+    attention call that follow are plain torch calls. Everything else (the ring loop, the log-sum-exp merge, what
+    the forward leaves on ``ctx`` for diffusers' unchanged backward) is the original's. The original forward runs
+    under torch.compile (Dynamo traces the functional collective) and under a transform (functorch, forward AD,
+    ``torch.jit.trace``); the functional gather runs, as in the original, for what c10d may not replace
+    (``_direct_collectives``: a tensor subclass, a group that is not a ``ProcessGroup``, a Python torch-function or
+    dispatch mode, complex or empty buffers, CUDA-graph capture). The backward, ``TemplatedRingAnythingAttention``
+    (uneven shards) and the output gather of diffusers' hooks are not touched.
 
 Versions
     diffusers 0.40 - 0.42: ``TemplatedRingAttention.forward`` fingerprinted in 0.40.0 (its source differs from
