@@ -10,16 +10,16 @@ Per model (FLUX.1-dev dims, and FLUX.2's 2 + 12 blocks with ``--models flux1,flu
             not return)
 
 Each setting times every patch reverted (``vanilla``) and every patch applied (``all``) -- or ``--variants``, e.g.
-``vanilla,all,-cp_all_to_all`` -- alternated A B A B (``--rounds``), and with ``--graphed`` each variant again through
-``torchpatches.cuda_graphs.graphed`` (one wrapper, a graph per variant: the collectives are captured into the graph). A timed step starts
-on every rank together (a barrier, then each rank's queue drained): CUDA events around it, the host's wall time to
-enqueue it; ``--back-to-back N`` also times N steps enqueued without a synchronization (as a pipeline's loop runs
-them; on CUDA). Each rank measures itself; the table shows the slowest rank (the step ends when its last rank does),
-the JSON keeps every rank. Outputs: each variant against ``vanilla`` of the same setting (the fused glue's
-rounding), and against one-gpu vanilla (what context parallelism itself changes; the first setting's vanilla with
-``--no-one-gpu``). ``--profile``: rank 0's GPU kernel time by class and launches per step, per variant;
-``--host-profile TOP``: rank 0's cProfile of vanilla and all (host_profile.py's grouping), and the fused ops'
-launches that fell back to ``kernel[grid]``.
+``vanilla,all,-cp_all_to_all`` -- alternated A B A B (``--rounds``), and with ``--graphed`` each variant again
+through ``torchpatches.cuda_graphs.graphed`` (one wrapper, a graph per variant: the collectives are captured into
+the graph). A timed step starts on every rank together (a barrier, then each rank's queue drained): CUDA events
+around it, the host's wall time to enqueue it; ``--back-to-back N`` also times N steps enqueued without a
+synchronization (as a pipeline's loop runs them; on CUDA). Each rank measures itself; the table shows the slowest
+rank (the step ends when its last rank does), the JSON keeps every rank. Outputs: each variant against ``vanilla``
+of the same setting (the fused glue's rounding), and against one-gpu vanilla (what context parallelism itself
+changes; the first setting's vanilla with ``--no-one-gpu``). ``--profile``: rank 0's GPU kernel time by class and
+launches per step, per variant; ``--host-profile TOP``: rank 0's cProfile of vanilla and all (host_profile.py's
+grouping), and the fused ops' launches that fell back to ``kernel[grid]``.
 
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --json cp.json        # 2 GPUs

@@ -415,3 +415,58 @@ def test_a_target_module_its_imported_package_lacks_is_skipped_and_the_rest_appl
     finally:
         for name in [n for n in sys.modules if n.startswith(package)]:
             sys.modules.pop(name)
+
+
+CLASS_ATTRIBUTE_SOURCE = """
+    class Holder:
+        @staticmethod
+        def shout(name):
+            return "hey " + name
+
+        @classmethod
+        def label(cls, name):
+            return cls.__name__ + " " + name
+"""
+
+
+def _louder_static(original):
+    function = original.__func__
+
+    def shout(name):
+        return function(name).upper()
+
+    return staticmethod(shout)
+
+
+def _louder_class(original):
+    function = original.__func__
+
+    def label(cls, name):
+        return function(cls, name).upper()
+
+    return classmethod(label)
+
+
+@pytest.mark.parametrize("attribute, make, kind, expected", [
+    ("shout", _louder_static, staticmethod, "HEY ADA"),
+    ("label", _louder_class, classmethod, "HOLDER ADA"),
+])
+def test_a_staticmethod_or_classmethod_replacement_pickles_by_name_and_reverts_by_identity(
+        make_module, attribute, make, kind, expected):
+    """A class attribute gives code (and pickle) the function inside the descriptor: it carries the target's name."""
+    import pickle
+
+    name = make_module(CLASS_ATTRIBUTE_SOURCE)
+    module = importlib.import_module(name)
+    original = module.Holder.__dict__[attribute]
+    registry = Registry([_patch(name, _gates.fingerprint(original), qualname=f"Holder.{attribute}", make=make)])
+    registry.apply()
+    patched = module.Holder.__dict__[attribute]
+    assert isinstance(patched, kind) and patched is not original
+    assert getattr(module.Holder, attribute)("ada") == expected
+    assert patched.__func__.__module__ == name and patched.__func__.__qualname__ == f"Holder.{attribute}"
+    reached = getattr(module.Holder, attribute)  # the function itself, or a method bound to the class
+    assert pickle.loads(pickle.dumps(reached)) == reached
+    registry.revert()
+    assert module.Holder.__dict__[attribute] is original
+    assert getattr(module.Holder, attribute)("ada") == expected.lower().replace("holder", "Holder")

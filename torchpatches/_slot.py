@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import types
 from typing import Any, Callable, List, Mapping, Optional, Set, Tuple
 
 from ._declare import Patch, Target
@@ -84,8 +85,9 @@ def _mark(replacement: Any, original: Any, path: str, patch: str) -> None:
         setattr(replacement, MARK_PATCH, patch)
         if callable(replacement) and hasattr(replacement, "__qualname__"):
             replacement.__module__, replacement.__qualname__ = module_name, qualname
-        if isinstance(replacement, (staticmethod, classmethod)):  # what the class attribute gives pickle
-            replacement.__func__.__module__, replacement.__func__.__qualname__ = module_name, qualname
+        function = replacement.__func__ if isinstance(replacement, (staticmethod, classmethod)) else None
+        if isinstance(function, types.FunctionType):  # what the class attribute gives code and pickle
+            function.__module__, function.__qualname__ = module_name, qualname
     except (AttributeError, TypeError) as error:
         raise TypeError(f"the replacement for {path} cannot carry torchpatches' mark ({error}): "
                         "it could later be mistaken for an original") from None

@@ -1,12 +1,16 @@
 """``cp_ring_gather``: diffusers' ring attention gathers keys and values through c10d, with the original's values.
 
-In this process, over a one-rank gloo group (the gather is then a copy; the ring loop runs once): the patched
-``TemplatedRingAttention`` gives the original's output and log-sum-exp bit for bit (two dtypes, with and without the
-log-sum-exp returned), calls no functional collective and warns nothing (the functional gather's ``FutureWarning``
-is an error under ``-W error``); what the patch hands back (torch.compile -- also a real ``fullgraph`` trace --, forward
-AD, a dispatch mode, a tensor subclass, a group that is not a ``ProcessGroup``) reaches the functional gather; revert
-puts back the registry's original (a ``staticmethod``). Two ranks gathering real shards, the ring's log-sum-exp
-merge and a training step through diffusers' own backward run in ``test_fused_context_parallel.py``.
+Two ranks emulated in this process (a two-rank group to the predicate, c10d's gather and the functional one each
+giving both ranks' buffers in rank order): on each rank the patched forward's output, log-sum-exp and what it
+leaves on ``ctx`` equal the original forward's, through ``all_gather_single`` and, as on a torch before 2.13,
+``all_gather_into_tensor``; the gather is asked for twice the buffer. Over a real one-rank gloo group: the patched
+``TemplatedRingAttention`` gives the original's output and log-sum-exp bit for bit (two dtypes, with and without
+the log-sum-exp returned), calls no functional collective and warns nothing (the functional gather's
+``FutureWarning`` is an error under ``-W error``); what the patch hands back (torch.compile -- also a real
+``fullgraph`` trace --, forward AD, a dispatch mode, a tensor subclass, a group that is not a ``ProcessGroup``)
+reaches the functional gather; the predicate refuses a group inside ``_coalescing_manager``; revert puts back the
+registry's original (a ``staticmethod``). Two real ranks (gloo) gathering inside tiny FLUX models, and a training
+step through diffusers' own backward, run in ``test_fused_context_parallel.py``.
 """
 from __future__ import annotations
 
@@ -96,7 +100,7 @@ def test_the_c10d_gather_gives_the_original_output(group: Any, ring: Any, gather
                                                    return_lse: bool) -> None:
     qkv = _qkv(dtype)
     with torchpatches.disabled("cp_ring_gather"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # the functional gather's deprecation, torch >= 2.11
+        warnings.simplefilter("ignore", FutureWarning)  # the functional gather's deprecation, torch >= 2.13
         expected = _call(ring, group, qkv, return_lse)
     assert len(gathers) == 1
     with warnings.catch_warnings():
@@ -124,11 +128,11 @@ class NotAGroup:
         self.group = group
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the functional gather's deprecation, torch >= 2.13
 @pytest.mark.parametrize("case", ["compiling", "forward AD", "dispatch mode", "subclass", "not a process group"])
 def test_the_functional_gather_runs_for_what_c10d_does_not_cover(group: Any, ring: Any, gathers: List[int],
                                                                  monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     qkv = _qkv()
-    warnings.simplefilter("ignore", FutureWarning)
     if case == "compiling":  # what Dynamo's constant-folded check reads while it traces: the original forward
         monkeypatch.setattr(cp_ring_gather, "is_compiling", lambda: True)
         _call(ring, group, qkv)
@@ -157,12 +161,86 @@ def test_dynamo_traces_the_original_in_one_graph(group: Any, ring: Any) -> None:
     expected = _call(ring, group, qkv)
     torch._dynamo.reset()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # Dynamo traces the original's functional gather
         compiled = torch.compile(lambda q, k, v: _call(ring, group, [q, k, v], config=config), backend="eager",
                                  fullgraph=True)
         got = compiled(*qkv)
     torch._dynamo.reset()
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+class FakeGroup:
+    """A two-rank group to the predicate (``process_group`` is this class in these tests): only ``size`` is read."""
+
+    def size(self) -> int:
+        return 2
+
+
+def _kv_buffer(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return torch.cat([key.flatten(), value.flatten()])
+
+
+def _rank_config(rank: int, group: Any) -> Any:
+    cp = types.SimpleNamespace(_ring_mesh=types.SimpleNamespace(get_group=lambda: group), _ring_local_rank=rank,
+                               ring_degree=2, convert_to_fp32=True)
+    return types.SimpleNamespace(context_parallel_config=cp)
+
+
+def _two_rank_call(forward: Any, inputs: List[torch.Tensor], config: Any) -> Any:
+    """``forward`` (a ``TemplatedRingAttention.forward`` function) as the rank ``config`` says: (out, lse, ctx)."""
+    ctx = types.SimpleNamespace()
+    out, lse = forward(ctx, *inputs, None, 0.0, False, None, False, True, _attention_with_lse, None, config)
+    return out, lse, ctx
+
+
+@pytest.mark.parametrize("torch_release", ["all_gather_single", "all_gather_into_tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_ranks_merge_the_gathered_keys_and_values_as_the_original(ring: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                     dtype: torch.dtype, torch_release: str) -> None:
+    """Two ranks emulated in this process: the c10d gather (``all_gather_single``, or ``all_gather_into_tensor`` on a
+    torch before 2.13) fills rank order, the ring loop reads the other rank's chunk and merges the log-sum-exps;
+    output, log-sum-exp and what the forward leaves on ``ctx`` equal the original's, whose functional gather gives
+    the same two buffers."""
+    inputs = [[x.to(dtype) for x in _qkv()], [x.to(dtype) for x in _qkv()[::-1]]]
+    buffers = [_kv_buffer(*qkv[1:]) for qkv in inputs]
+    seen: List[Any] = []
+
+    def c10d_gather(out: torch.Tensor, kv: torch.Tensor, group: Any = None) -> None:
+        seen.append((out.shape, kv.dtype, group))
+        out.copy_(torch.cat(buffers))
+
+    def functional_gather(kv: torch.Tensor, gather_dim: int, group: Any) -> torch.Tensor:
+        assert gather_dim == 0
+        return torch.cat(buffers)
+
+    original = getattr(ring.__dict__["forward"], MARK_ORIGINAL).__func__
+    group = FakeGroup()
+    monkeypatch.setattr(dist, "ProcessGroup", FakeGroup)
+    if torch_release == "all_gather_into_tensor":
+        monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    monkeypatch.setattr(dist, torch_release, c10d_gather)
+    monkeypatch.setattr(funcol, "all_gather_tensor", functional_gather)
+    patched = cp_ring_gather._replacement(getattr(ring.__dict__["forward"], MARK_ORIGINAL)).__func__
+    for rank in range(2):
+        config = _rank_config(rank, group)
+        expected, got = _two_rank_call(original, inputs[rank], config), _two_rank_call(patched, inputs[rank], config)
+        for e, g in zip(expected[:2], got[:2]):
+            assert g.dtype == e.dtype and torch.equal(g, e), rank
+        assert {k: v for k, v in vars(got[2]).items() if not isinstance(v, torch.Tensor)} == \
+            {k: v for k, v in vars(expected[2]).items() if not isinstance(v, torch.Tensor)}
+        assert torch.equal(got[2].ring_out, expected[2].ring_out) and torch.equal(got[2].ring_lse, expected[2].ring_lse)
+    assert seen == [(torch.Size([2 * buffers[0].numel()]), dtype, group)] * 2
+
+
+def test_the_predicate_refuses_a_coalescing_group(group: Any) -> None:
+    """Inside ``_coalescing_manager`` c10d defers the collective to the block's end: the functional one runs."""
+    from torchpatches.patches._direct_collectives import direct_fits
+
+    x = torch.ones(4)
+    assert direct_fits(x, group, dist.ProcessGroup)
+    with dist._coalescing_manager(group):
+        assert not direct_fits(x, group, dist.ProcessGroup)
+    assert direct_fits(x, group, dist.ProcessGroup)
 
 
 def test_revert_puts_the_original_staticmethod_back(ring: Any) -> None:

@@ -1,12 +1,12 @@
 """When one of diffusers' context-parallel collectives may go through c10d directly instead of the functional
 collectives: the conditions ``cp_all_to_all`` and ``cp_ring_gather`` share (their banners say why each one).
 
-The functional collectives are what Dynamo traces and what autograd, transforms, Python modes and tensor
-subclasses see; c10d's synchronous collective is the same data movement without their Python layer. So c10d may
-stand in only for a plain, non-empty, real tensor that nothing records or intercepts, over a ``ProcessGroup``, outside
-a CUDA-graph capture (a graph that captured c10d's collective held the host at every replay for the whole step:
-docs/fused.md, "Context parallelism on two GPUs"). Compiling and transforms are checked by the callers, next to
-``is_compiling`` as the other patches do.
+The functional collectives are what Dynamo traces and what autograd, transforms, Python modes and tensor subclasses
+see; c10d's synchronous collective is the same data movement without their Python layer. So c10d may stand in only
+for a plain, non-empty, real tensor that nothing records or intercepts, over a ``ProcessGroup`` that is not
+coalescing, outside a CUDA-graph capture (a graph that captured c10d's collective held the host at every replay for
+the whole step: docs/fused.md, "Context parallelism on two GPUs"). Compiling and transforms are checked by the
+callers, next to ``is_compiling`` as the other patches do.
 """
 from __future__ import annotations
 
@@ -25,6 +25,14 @@ def _modes_active() -> bool:
     return bool(_function_modes() or _dispatch_modes())
 
 
+def _coalescing(group: Any) -> bool:
+    """Inside ``torch.distributed._coalescing_manager(group)`` c10d defers a collective to the block's end, so its
+    output would be read before it is written; the functional collective is not deferred."""
+    world = getattr(torch.distributed.distributed_c10d, "_world", None)
+    state = getattr(world, "pg_coalesce_state", None)
+    return bool(state) and group in state
+
+
 def direct_fits(x: Any, group: Any, process_group: type) -> bool:
     """True where c10d's collective may move ``x`` over ``group`` in place of the functional one."""
     return (
@@ -35,6 +43,7 @@ def direct_fits(x: Any, group: Any, process_group: type) -> bool:
         and not x.is_complex()
         and x.numel() > 0
         and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        and not _coalescing(group)
     )
 
 

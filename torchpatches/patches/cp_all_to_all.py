@@ -23,9 +23,9 @@ What the patch changes
     group), for complex tensors (the original refuses them; c10d would send them as real pairs), when the flattened
     tensor is empty, a strided view (a 1-D slice: c10d refuses it; the functional collective sends it or refuses it
     with its own message, by torch release) or does not split evenly over the group (the original raises its own
-    error), and while a CUDA graph is being captured (``torchpatches.cuda_graphs.graphed``): a graph that captured
-    c10d's collective held the host at every replay for the whole step (docs/fused.md, "Context parallelism on two
-    GPUs").
+    error), inside a ``_coalescing_manager`` block (c10d would defer the exchange), and while a CUDA graph is being
+    captured (``torchpatches.cuda_graphs.graphed``): a graph that captured c10d's collective held the host at every
+    replay for the whole step (docs/fused.md, "Context parallelism on two GPUs").
 
 Versions
     diffusers 0.36 - 0.42: ``_all_to_all_single`` fingerprinted with tools/fingerprint_diffusers.py in 0.36.0,

@@ -22,8 +22,8 @@ What the patch changes
     under torch.compile (Dynamo traces the functional collective) and under a transform (functorch, forward AD,
     ``torch.jit.trace``); the functional gather runs, as in the original, for what c10d may not replace
     (``_direct_collectives``: a tensor subclass, a group that is not a ``ProcessGroup``, a Python torch-function or
-    dispatch mode, complex or empty buffers, CUDA-graph capture). The backward, ``TemplatedRingAnythingAttention``
-    (uneven shards) and the output gather of diffusers' hooks are not touched.
+    dispatch mode, complex or empty buffers, a ``_coalescing_manager`` block, CUDA-graph capture). The backward,
+    ``TemplatedRingAnythingAttention`` (uneven shards) and the output gather of diffusers' hooks are not touched.
 
 Versions
     diffusers 0.40 - 0.42: ``TemplatedRingAttention.forward`` fingerprinted in 0.40.0 (its source differs from
@@ -52,7 +52,7 @@ __all__ = ["PATCH"]
 def _gather(process_group: type, all_gather_into_tensor: Callable[..., Any],
             functional_gather: Callable[..., Any]) -> Callable[[torch.Tensor, Any], torch.Tensor]:
     def gathered(kv_buffer: torch.Tensor, group: Any) -> torch.Tensor:
-        if not direct_fits(kv_buffer, group, process_group) or not kv_buffer.is_contiguous():
+        if not direct_fits(kv_buffer, group, process_group):  # the buffer is contiguous: the forward made it so
             return functional_gather(kv_buffer, gather_dim=0, group=group)
         out = kv_buffer.new_empty((group.size() * kv_buffer.numel(),))
         all_gather_into_tensor(out, kv_buffer, group=group)
@@ -66,9 +66,9 @@ def _replacement(original: Any) -> staticmethod:
     import torch.distributed._functional_collectives as funcol
 
     original_forward = original.__func__
-    # Looked up per call, as the original's ``funcol.all_gather_tensor`` is (a wrapper put on it is honoured).
     # ``all_gather_into_tensor`` warns that it is deprecated from torch 2.13, which has ``all_gather_single``.
     gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    # The functional gather is looked up per call, as the original's is (a wrapper put on it is honoured).
     gathered = _gather(dist.ProcessGroup, gather_into,
                        lambda *args, **kwargs: funcol.all_gather_tensor(*args, **kwargs))
 
