@@ -46,12 +46,14 @@ CASES: Dict[str, Tuple[Dict[str, Any], Any, Dict[str, Any], bool]] = {
     "ulysses-uneven": (dict(ulysses_degree=2, ulysses_anything=True), None, dict(side=3, text_tokens=7), False),
     "ring-uneven": (dict(ring_degree=2, ring_anything=True), "_native_flash", dict(side=3, text_tokens=7), False),
 }
-MODELS = ("flux1", "flux2")
+MODELS = ("flux1", "flux2", "wan")
+#: Models whose tiny inputs have no text-token option: they run the evenly split cases only.
+EVEN_ONLY = ("wan",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Patches applied in the patched run (and reverted in the unpatched one) besides the fused patterns.
 EXTRA = ("rope", "cp_all_to_all", "cp_ring_gather")
 #: The fused ops whose calls are counted (their ``_impl``: the body every tier and dispatch reaches).
-OPS = ("modulate", "qk_norm_rope", "swiglu", "slices")
+OPS = ("modulate", "qk_norm_rope", "rms_norm_rope", "swiglu", "slices")
 #: Seconds a collective may wait for the other rank before it raises (a failing rank must not hang the test).
 COLLECTIVE_TIMEOUT = 60
 
@@ -243,7 +245,7 @@ def _rank(rank: int, store: str, folder: str, repo_tests: str) -> None:
         for mode in ("ulysses", "ring"):
             results[f"{mode}-grad"] = _grad_case(mode, counts)
         for name in CASES:
-            for which in MODELS:
+            for which in (m for m in MODELS if CASES[name][3] or m not in EVEN_ONLY):
                 for dtype_name, dtype in DTYPES.items():
                     results[f"{name}/{which}/{dtype_name}"] = _case(name, which, dtype, counts)
         del kernel
@@ -259,7 +261,8 @@ def _import_once() -> None:
     import importlib
 
     for name in ("torch.distributed.device_mesh", "diffusers.models.transformers.transformer_flux",
-                 "diffusers.models.transformers.transformer_flux2", "diffusers.hooks.context_parallel",
+                 "diffusers.models.transformers.transformer_flux2", "diffusers.models.transformers.transformer_wan",
+                 "diffusers.hooks.context_parallel",
                  "torchpatches._harness", *(f"torchpatches.ops.{op}" for op in OPS)):
         importlib.import_module(name)
 

@@ -1,14 +1,15 @@
-"""The fused patterns under diffusers' context parallelism: two CPU ranks (gloo), tiny FLUX.1 / FLUX.2.
+"""The fused patterns under diffusers' context parallelism: two CPU ranks (gloo), tiny FLUX.1 / FLUX.2 / Wan.
 
 ``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and uneven
-shards (``ulysses_anything`` / ``ring_anything``), fp32 and bf16, the PyTorch tier forced so the fused glue runs on
-CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and ``rope``,
-``cp_all_to_all``, ``cp_ring_gather``) reverted. The fused block / norm / activation patterns and the processors'
-q/k stretch ran on that rank's shard of the sequence, the processors passing their ``_parallel_config`` to
-diffusers' attention call; Ulysses' all-to-alls went through c10d (``cp_all_to_all``), also in the backward of a
-training step, and so did ring attention's key/value gathers (``cp_ring_gather``), whose forward leaves diffusers'
-own ring backward what it reads (output and input gradient of a training step bit-identical, in both modes). What
-diffusers 0.42.1 lacks on a CPU-only host, and what the ranks supply, is in ``_context_parallel.py``.
+shards (``ulysses_anything`` / ``ring_anything``; FLUX only), fp32 and bf16, the PyTorch tier forced so the fused
+glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and
+``rope``, ``cp_all_to_all``, ``cp_ring_gather``) reverted. The fused block / norm / activation patterns and the
+processors' q/k stretch ran on that rank's shard of the sequence, the processors passing diffusers' attention call
+what diffusers' processors pass (their ``_parallel_config``; Wan's cross-attention none); Ulysses' all-to-alls went
+through c10d (``cp_all_to_all``), also in the backward of a training step, and so did ring attention's key/value
+gathers (``cp_ring_gather``), whose forward leaves diffusers' own ring backward what it reads (output and input
+gradient of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what
+the ranks supply, is in ``_context_parallel.py``.
 
 One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not
 depend on torch's release, so one session of the matrix runs it (marker ``once``: tests-2.13.0).
@@ -25,7 +26,7 @@ pytest.importorskip("diffusers")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 
-from _context_parallel import CASES, DTYPES, MODELS, run_ranks  # noqa: E402
+from _context_parallel import CASES, DTYPES, EVEN_ONLY, MODELS, run_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.once,
@@ -35,28 +36,44 @@ pytestmark = [
                        reason="forked CPU ranks need a CPU-only torch build (tests-2.13.0 installs one)"),
 ]
 
-#: Fused op calls per forward under context parallelism (1 double + 2 single blocks): the same as without it.
-#: The attention processors run the fused q/k stretch on the rank's shard and hand diffusers' attention call
-#: their ``_parallel_config`` (FLUX.2's single-block processor also writes its SwiGLU into to_out's buffer).
+#: Fused op calls per forward under context parallelism, the same as without it: tiny FLUX (1 double + 2 single
+#: blocks) and Wan (2 blocks, each a self- and a cross-attention). The attention processors run the fused q/k
+#: stretch on the rank's shard and hand diffusers' attention call what diffusers' processor does (FLUX: its
+#: ``_parallel_config``; Wan: that in self-attention, none in cross-attention); FLUX.2's single-block processor also
+#: writes its SwiGLU into to_out's buffer.
 EXPECTED = {
-    "flux1": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 0, "slices": 4},
-    "flux2": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 4, "slices": 2},
+    "flux1": {"modulate": 11, "qk_norm_rope": 3, "rms_norm_rope": 0, "swiglu": 0, "slices": 4},
+    "flux2": {"modulate": 11, "qk_norm_rope": 3, "rms_norm_rope": 0, "swiglu": 4, "slices": 2},
+    "wan": {"modulate": 8, "qk_norm_rope": 0, "rms_norm_rope": 4, "swiglu": 0, "slices": 0},
 }
-#: ``funcol.all_to_all_single`` calls per forward, (unpatched, patched): Ulysses exchanges q, k, v and the output
-#: (4 per attention call, 3 calls), which ``cp_all_to_all`` sends through c10d; the uneven shards' exchange
-#: (``ulysses_anything``, split sizes) is another function of diffusers, left as it is; ring attention gathers.
-FUNCTIONAL_ALL_TO_ALL = {"ulysses": [12, 0], "ulysses-uneven": [12, 12], "ring": [0, 0], "ring-uneven": [0, 0]}
-#: ``funcol.all_gather_tensor`` calls per forward, (unpatched, patched): ring attention gathers keys and values once
-#: per attention call, which ``cp_ring_gather`` sends through c10d; diffusers' output gather (1, even shards only)
-#: and the uneven ring's gathers (``TemplatedRingAnythingAttention``) are left as they are.
-FUNCTIONAL_ALL_GATHER = {"ulysses": [1, 1], "ulysses-uneven": [0, 0], "ring": [4, 1], "ring-uneven": [3, 3]}
+#: Attention calls per forward that context parallelism splits (Wan's cross-attention is not split).
+PARALLEL_ATTENTION = {"flux1": 3, "flux2": 3, "wan": 2}
+
+
+def functional_all_to_all(case: str, which: str) -> List[int]:
+    """``funcol.all_to_all_single`` calls per forward, (unpatched, patched): Ulysses exchanges q, k, v and the output
+    (4 per split attention call), which ``cp_all_to_all`` sends through c10d; the uneven shards' exchange
+    (``ulysses_anything``, split sizes) is another function of diffusers, left as it is; ring attention gathers."""
+    calls = 4 * PARALLEL_ATTENTION[which]
+    return {"ulysses": [calls, 0], "ulysses-uneven": [calls, calls]}.get(case, [0, 0])
+
+
+def functional_all_gather(case: str, which: str) -> List[int]:
+    """``funcol.all_gather_tensor`` calls per forward, (unpatched, patched): ring attention gathers keys and values
+    once per split attention call, which ``cp_ring_gather`` sends through c10d; diffusers' output gather (1, even
+    shards only) and the uneven ring's gathers (``TemplatedRingAnythingAttention``) are left as they are."""
+    calls = PARALLEL_ATTENTION[which]
+    return {"ulysses": [1, 1], "ring": [calls + 1, 1], "ring-uneven": [calls, calls]}.get(case, [0, 0])
+
+
 #: Functional collectives of a training step, [all-to-all, all-gather] unpatched and patched. Ulysses: 12 exchanges
 #: forward and 12 backward, none functional with ``cp_all_to_all``. Ring: 3 gathers forward (c10d with
 #: ``cp_ring_gather``), and diffusers' backward's 3 gathers and 6 permutes (all-to-alls), left as they are.
 GRAD_FUNCTIONAL = {"ulysses": [[24, 1], [0, 1]], "ring": [[6, 7], [6, 4]]}
-#: Tokens per rank (image + text, and each stream alone): even 16 + 8 -> 8 + 4; uneven 9 + 7 -> 5 + 4 / 4 + 3.
-TOKENS = {True: [[4, 8, 12], [4, 8, 12]], False: [[4, 5, 9], [3, 4, 7]]}
-
+#: Tokens per rank that the fused ops saw. FLUX (image + text, and each stream alone): even 16 + 8 -> 8 + 4; uneven
+#: 9 + 7 -> 5 + 4 / 4 + 3. Wan: 32 video tokens -> 16 (the cross-attention's text keys are not split).
+TOKENS = {("flux", True): [[4, 8, 12], [4, 8, 12]], ("flux", False): [[4, 5, 9], [3, 4, 7]],
+          ("wan", True): [[16], [16]]}
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
@@ -72,13 +89,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
 def test_fused_glue_on_each_shard_equals_diffusers(ranks: List[Dict[str, Any]], case: str, which: str,
                                                    dtype: str) -> None:
     gathered = CASES[case][3]
+    if which in EVEN_ONLY and not gathered:
+        pytest.skip(f"{which}'s tiny inputs run the evenly split cases")
     for rank, results in enumerate(ranks):
         got = results[f"{case}/{which}/{dtype}"]
         assert got["equal"], (rank, got)
         assert got["counts"] == EXPECTED[which], (rank, got)
-        assert got["functional_all_to_all"] == FUNCTIONAL_ALL_TO_ALL[case], (rank, got)
-        assert got["functional_all_gather"] == FUNCTIONAL_ALL_GATHER[case], (rank, got)
-        assert got["tokens"] == TOKENS[gathered][rank], (rank, got)  # the patterns saw this rank's shard
+        assert got["functional_all_to_all"] == functional_all_to_all(case, which), (rank, got)
+        assert got["functional_all_gather"] == functional_all_gather(case, which), (rank, got)
+        family = "wan" if which == "wan" else "flux"
+        assert got["tokens"] == TOKENS[family, gathered][rank], (rank, got)  # the patterns saw this rank's shard
         assert got["processors"] > 0 and got["processors_parallel"] == got["processors"], (rank, got)
         # Context parallelism itself computed the model (the shard, or all of it after the gather).
         tolerance = 1e-5 if dtype == "float32" else 3e-2

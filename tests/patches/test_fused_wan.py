@@ -2,7 +2,7 @@
 
 On the tiny ``wan-fused`` transformer (Wan2.1 T2V's block options, 2 blocks; CPU): the fused path (a forced
 tier stands in for the GPU) computes what diffusers computes; the I2V image context, hooks, LoRA layers,
-gradients, context-parallel processors, other rotary dtypes and torch.compile get diffusers' code. Op call
+gradients, other rotary dtypes and torch.compile get diffusers' code (context-parallel processors are covered). Op call
 counters show which path ran. The shared step-aside cases (forward AD, vmap/jvp, autocast) run on ``wan``
 through ``_fused_models.MODELS``.
 """
@@ -241,9 +241,9 @@ def test_rotary_of_another_dtype_gets_diffusers_self_attention(dtype: torch.dtyp
     assert calls["rms_norm_rope"] == 1 and calls["modulate"] == 4  # cross-attention and the glue only
 
 
-def test_context_parallel_processor_is_not_covered() -> None:
-    """A processor with a parallel config (context parallelism splits the sequence and all-gathers k/v):
-    diffusers' code; the same processor without one is covered."""
+def test_context_parallel_processor_is_covered() -> None:
+    """A processor with a parallel config (context parallelism: the rank's shard of the sequence) is covered too
+    (issue 17, round 9); two gloo ranks run tiny Wan under Ulysses and ring in test_fused_context_parallel.py."""
     model, inputs = tiny("wan")
     hidden, text, temb, rotary = _block_inputs(model, inputs)
     attn = model.blocks[0].attn1
@@ -252,7 +252,7 @@ def test_context_parallel_processor_is_not_covered() -> None:
         norm = model.blocks[0].norm1(hidden.float()).type_as(hidden)
         assert wan_qk_norm_rope._covered(processor, attn, norm, None, rotary)
         processor._parallel_config = object()
-        assert not wan_qk_norm_rope._covered(processor, attn, norm, None, rotary)
+        assert wan_qk_norm_rope._covered(processor, attn, norm, None, rotary)
 
 
 # ---- torch.compile: the patterns step aside --------------------------------------------------------

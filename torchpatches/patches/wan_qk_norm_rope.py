@@ -16,10 +16,12 @@ What the patch changes
     normalized in one launch too. Everything else runs diffusers' own ``__call__``: the I2V image context
     (``add_k_proj``), ``torch.compile``, norms that are not stock ``torch.nn.RMSNorm(inner_dim)`` with a
     weight of the activations' dtype, hooked norms, a rotary embedding that is not Wan's fp32
-    ``(cos, sin)`` pair of ``[1, S, 1, head_dim]``, context-parallel configs, gradients (also forward AD
+    ``(cos, sin)`` pair of ``[1, S, 1, head_dim]``, gradients (also forward AD
     and functorch transforms), ``torch.jit.trace``, autocast, a replaced global of the processor
     (``dispatch_attention_fn``, ``_get_qkv_projections``) or of ``F.rms_norm`` / ``RMSNorm.forward``, tensor
-    subclasses, CPU tensors.
+    subclasses, CPU tensors. Under diffusers' context parallelism the stretch runs on the rank's shard (its rotary
+    tables are the shard's) and the processor hands diffusers' attention call what diffusers' does: its
+    ``_parallel_config`` in self-attention, none in cross-attention (the text is not split).
 
 Tolerance
     torch's fused RMSNorm then Wan's RoPE, rounding at the same two points; fp32 reduction order and fused
@@ -64,7 +66,6 @@ def _covered(processor: Any, attn: Any, hidden_states: Any, encoder_hidden_state
     rotary = tuple(rotary_emb) if isinstance(rotary_emb, (tuple, list)) else (rotary_emb,)
     return (
         attn.add_k_proj is None  # I2V: the image context's extra attention runs in diffusers' code
-        and getattr(processor, "_parallel_config", None) is None
         and fusable(hidden_states, (attn,), encoder_hidden_states, *(t for t in rotary if isinstance(t, torch.Tensor)))
         and hidden_states.dim() == 3
         and attn.inner_dim % attn.heads == 0
@@ -122,10 +123,11 @@ def _processor(self, attn, hidden_states, encoder_hidden_states=None, attention_
     else:
         query, key = (t.unflatten(2, (attn.heads, -1)) for t in qk)
     value = value.unflatten(2, (attn.heads, -1))
-    # diffusers 0.42.1 from here on (no image context: add_k_proj is None; no parallel config)
+    # diffusers 0.42.1 from here on (no image context: add_k_proj is None)
     hidden_states = module.dispatch_attention_fn(
         query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-        backend=self._attention_backend, parallel_config=None,
+        backend=self._attention_backend,
+        parallel_config=(self._parallel_config if encoder_hidden_states is None else None),
     )
     hidden_states = hidden_states.flatten(2, 3)
     hidden_states = hidden_states.type_as(query)
