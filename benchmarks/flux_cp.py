@@ -1,7 +1,7 @@
 """FLUX under diffusers' context parallelism, a process per GPU: vanilla vs ``import torchpatches`` (issue 17, goal 6).
 
-Per model (FLUX.1-dev dims, and FLUX.2's 2 + 12 blocks with ``--models flux1,flux2``; random bf16 weights,
-1024x1024, batch 1, the same seeded inputs on every rank):
+Per model (FLUX.1-dev dims, and FLUX.2's 2 + 12 blocks with ``--models flux1,flux2``, 1024x1024; ``wan``: Wan2.1-T2V-14B
+widths, 4 of 40 blocks, 480x832x81; random bf16 weights, batch 1, the same seeded inputs on every rank):
 
   one-gpu   each rank runs the whole model alone on its GPU (no collectives): the single-GPU reference on this host
   ulysses   a fresh model with ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))``, the default
@@ -49,7 +49,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _bench import profile, rel_err, save_json, state, time_back_to_back, time_steps, versions  # noqa: E402
+from _dit_models import SPECS  # noqa: E402
 from flux_fused import CONFIGS, TINY, build, inputs  # noqa: E402
+
+#: Models measured: FLUX.1 / FLUX.2 (flux_fused.py's configs) and Wan2.1-T2V-14B's widths, 4 of 40 blocks, 480x832x81
+#: (_dit_models.py; the CPU smoke run takes the harness's tiny Wan).
+MODELS = (*CONFIGS, "wan")
 
 #: mode -> (ContextParallelConfig's degree argument, attention backend on CUDA, on CPU)
 MODES = {"ulysses": ("ulysses_degree", None, None), "ring": ("ring_degree", "_native_cudnn", "_native_flash")}
@@ -82,12 +87,35 @@ def cpu_stand_ins(device: torch.device) -> Iterator[None]:
     del kernel
 
 
+def model_config(name: str, tiny: bool) -> Dict[str, Any]:
+    if name == "wan":
+        from torchpatches._harness.models import CONFIGS as HARNESS
+
+        return dict(HARNESS["wan-fused"][1]) if tiny else dict(SPECS["wan"].config)
+    return (TINY if tiny else CONFIGS)[name]
+
+
+def model_inputs(name: str, config: Dict[str, Any], tiny: bool, device: torch.device,
+                 dtype: torch.dtype) -> Dict[str, Any]:
+    """The model's inputs as its pipeline passes them, drawn from a seeded CPU generator (equal on every rank)."""
+    if name != "wan":
+        side, text = (64, 8) if tiny else (1024, 512)
+        return inputs(name, config, side, text, device, dtype)
+    if tiny:
+        from torchpatches._harness import tiny_inputs
+
+        return tiny_inputs("wan-fused", dtype=dtype, device=device)
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    return SPECS["wan"].inputs(config, lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype),
+                               device, dtype)
+
+
 def parallel_model(name: str, mode: str, args: argparse.Namespace, device: torch.device,
                    dtype: torch.dtype) -> torch.nn.Module:
     from diffusers import ContextParallelConfig
 
     degree_arg, cuda_backend, cpu_backend = MODES[mode]
-    model = build(name, (TINY if args.tiny else CONFIGS)[name], device, dtype)
+    model = build(name, model_config(name, args.tiny), device, dtype)
     backend = cuda_backend if device.type == "cuda" else cpu_backend
     if backend is not None:
         model.set_attention_backend(backend)
@@ -171,9 +199,8 @@ def summarize_setting(rows: Dict[str, Any], reference: torch.Tensor) -> Dict[str
 def run_model(name: str, args: argparse.Namespace, device: torch.device, results: Dict[str, Any]) -> None:
     """Each setting measured, gathered from every rank, printed and saved (rank 0) before the next one starts."""
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    config = (TINY if args.tiny else CONFIGS)[name]
-    side, text = (64, 8) if args.tiny else (1024, 512)
-    feed = inputs(name, config, side, text, device, dtype)  # seeded on the CPU: equal on every rank
+    config = model_config(name, args.tiny)
+    feed = model_inputs(name, config, args.tiny, device, dtype)  # seeded on the CPU: equal on every rank
     entry = results.setdefault("models", {}).setdefault(name, {})
     reference = None
     for setting in (["one-gpu"] if args.one_gpu else []) + args.modes:
@@ -238,7 +265,7 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="flux1", help="comma-separated: flux1, flux2")
+    p.add_argument("--models", default="flux1", help="comma-separated: flux1, flux2, wan")
     p.add_argument("--modes", default="ulysses,ring", help="comma-separated: ulysses, ring")
     p.add_argument("--variants", default="vanilla,all",
                    help="comma-separated _bench.state variants, vanilla first (vanilla, all, -PATCH, ...)")
@@ -260,7 +287,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     args.variants = [v for v in args.variants.split(",") if v]
     if not args.variants or args.variants[0] != "vanilla":
         p.error("--variants must start with vanilla (each setting's ratios are to it)")
-    for value, known, what in ((args.models, CONFIGS, "model"), (args.modes, MODES, "mode")):
+    for value, known, what in ((args.models, MODELS, "model"), (args.modes, MODES, "mode")):
         unknown = sorted(set(value) - set(known))
         if unknown:
             p.error(f"unknown {what} {unknown}; expected some of {sorted(known)}")
