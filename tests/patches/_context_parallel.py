@@ -19,6 +19,9 @@ What diffusers 0.42.1 needs to run this on a CPU-only host, and what this file s
   ``_scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp), so the ring cases run
   diffusers' own ring code over the ``_native_flash`` backend. The ``ring-native`` case records the
   ``native`` backend's error.
+- Wan's 1-D timestep does not fit its ``cp_plan`` entry (2 dims expected). diffusers' context-parallel hook then
+  calls ``logger.warning_once``, which diffusers does not define (``transformers`` adds it to ``logging.Logger``
+  on import; without it the hook raises ``AttributeError``): :func:`_warning_once` adds it where it is missing.
 - Uneven shards (``ulysses_anything`` / ``ring_anything``) end in ``dist.all_gather`` of differently sized
   tensors, which gloo refuses (``ProcessGroupGloo::allgather: invalid tensor size``); those cases pass a
   ``cp_plan`` without the output gather (diffusers' own argument) and compare each rank's shard.
@@ -67,6 +70,27 @@ def _one_device() -> Iterator[None]:
         yield
     finally:
         torch.accelerator.device_count = real
+
+
+@contextlib.contextmanager
+def _warning_once() -> Iterator[None]:
+    """``logging.Logger.warning_once`` (each message once), as ``transformers`` adds it, while it is missing."""
+    import functools
+    import logging
+
+    if hasattr(logging.Logger, "warning_once"):
+        yield
+        return
+
+    @functools.lru_cache(None)
+    def warning_once(self: logging.Logger, *args: Any, **kwargs: Any) -> None:
+        self.warning(*args, **kwargs)
+
+    logging.Logger.warning_once = warning_once  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del logging.Logger.warning_once
 
 
 def _cpu_flash_kernel() -> torch.library.Library:
@@ -244,10 +268,11 @@ def _rank(rank: int, store: str, folder: str, repo_tests: str) -> None:
         kernel = _cpu_flash_kernel()
         for mode in ("ulysses", "ring"):
             results[f"{mode}-grad"] = _grad_case(mode, counts)
-        for name in CASES:
-            for which in (m for m in MODELS if CASES[name][3] or m not in EVEN_ONLY):
-                for dtype_name, dtype in DTYPES.items():
-                    results[f"{name}/{which}/{dtype_name}"] = _case(name, which, dtype, counts)
+        with _warning_once():
+            for name in CASES:
+                for which in (m for m in MODELS if CASES[name][3] or m not in EVEN_ONLY):
+                    for dtype_name, dtype in DTYPES.items():
+                        results[f"{name}/{which}/{dtype_name}"] = _case(name, which, dtype, counts)
         del kernel
     except BaseException:  # noqa: BLE001 (reported to the parent; the other rank's collectives time out)
         results["error"] = traceback.format_exc()
