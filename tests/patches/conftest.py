@@ -1,4 +1,5 @@
-"""Fixtures shared by the fused-pattern tests: every pattern applied, and counters of the fused op bodies."""
+"""Fixtures shared by the patch tests: every fused pattern applied, counters of the fused op bodies, and a one-rank
+gloo process group for the context-parallel collective patches."""
 from __future__ import annotations
 
 import collections
@@ -35,3 +36,17 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
 
         monkeypatch.setattr(module, "_impl", counting)
     return counts
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Any]:
+    """The default process group of this process, one gloo rank, for a test module (set up once, torn down after)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # pragma: no cover - another test left a default group
+        pytest.skip("a default process group exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

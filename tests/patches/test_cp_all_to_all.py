@@ -11,7 +11,7 @@ exchanging real shards inside FLUX.1 / FLUX.2 run in ``test_fused_context_parall
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, List
+from typing import Any, List
 
 import pytest
 import torch
@@ -20,25 +20,13 @@ pytest.importorskip("diffusers")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 
-import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 import torchpatches  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from _collectives import PassThrough, Sub, counted_calls  # noqa: E402
 from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
 from torchpatches.patches import cp_all_to_all  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    if dist.is_initialized():  # pragma: no cover - another test left a default group
-        pytest.skip("a default process group exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -52,15 +40,7 @@ def dispatch() -> Any:
 @pytest.fixture
 def functional_calls(monkeypatch: pytest.MonkeyPatch) -> List[int]:
     """One entry per ``funcol.all_to_all_single`` call (what diffusers' own ``_all_to_all_single`` makes)."""
-    calls: List[int] = []
-    real = funcol.all_to_all_single
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(funcol, "all_to_all_single", counting)
-    return calls
+    return counted_calls(monkeypatch, funcol, "all_to_all_single")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
@@ -77,10 +57,6 @@ def test_direct_path_equals_the_functional_one(group: Any, dispatch: Any, functi
     assert len(functional_calls) == 1  # the patched call made c10d's collective, not the functional one
     assert type(got) is torch.Tensor and got.shape == x.shape and got.dtype == x.dtype
     assert torch.equal(got, expected) and got.data_ptr() != x.data_ptr()
-
-
-class Sub(torch.Tensor):
-    pass
 
 
 def test_an_input_that_requires_grad_under_no_grad_takes_the_direct_path(group: Any, dispatch: Any,
@@ -101,11 +77,6 @@ def test_dynamo_traces_the_functional_collective_in_one_graph(group: Any, dispat
     compiled = torch.compile(lambda t: dispatch._all_to_all_single(t, group) * 2, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), x * 2)
     torch._dynamo.reset()
-
-
-class PassThrough(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("case", ["grad", "forward AD", "subclass", "group by name", "compiling", "strided 1-D",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from typing import Any, Iterator, List
+from typing import Any, List
 
 import pytest
 import torch
@@ -29,21 +29,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 import torchpatches  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from _collectives import PassThrough, Sub, counted_calls  # noqa: E402
 from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
 from torchpatches.patches import cp_ring_gather  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    if dist.is_initialized():  # pragma: no cover - another test left a default group
-        pytest.skip("a default process group exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture
@@ -57,15 +46,7 @@ def ring() -> Any:
 @pytest.fixture
 def gathers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
     """One entry per ``funcol.all_gather_tensor`` call (what diffusers' ring forward makes)."""
-    calls: List[int] = []
-    real = funcol.all_gather_tensor
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(funcol, "all_gather_tensor", counting)
-    return calls
+    return counted_calls(monkeypatch, funcol, "all_gather_tensor")
 
 
 def _attention_with_lse(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
@@ -110,15 +91,6 @@ def test_the_c10d_gather_gives_the_original_output(group: Any, ring: Any, gather
     expected, got = (x if return_lse else (x,) for x in (expected, got))
     for e, g in zip(expected, got):
         assert type(g) is torch.Tensor and g.dtype == e.dtype and torch.equal(g, e)
-
-
-class PassThrough(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-class Sub(torch.Tensor):
-    pass
 
 
 class NotAGroup:
