@@ -37,7 +37,7 @@ When to delete
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -49,28 +49,22 @@ from ._direct_collectives import direct_fits, distributed_missing
 __all__ = ["PATCH"]
 
 
-def _gather(process_group: type, all_gather_into_tensor: Callable[..., Any],
-            functional_gather: Callable[..., Any]) -> Callable[[torch.Tensor, Any], torch.Tensor]:
-    def gathered(kv_buffer: torch.Tensor, group: Any) -> torch.Tensor:
-        if not direct_fits(kv_buffer, group, process_group):  # the buffer is contiguous: the forward made it so
-            return functional_gather(kv_buffer, gather_dim=0, group=group)
-        out = kv_buffer.new_empty((group.size() * kv_buffer.numel(),))
-        all_gather_into_tensor(out, kv_buffer, group=group)
-        return out
-
-    return gathered
-
-
 def _replacement(original: Any) -> staticmethod:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
     original_forward = original.__func__
+    process_group = dist.ProcessGroup
     # ``all_gather_into_tensor`` warns that it is deprecated from torch 2.13, which has ``all_gather_single``.
     gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    # The functional gather is looked up per call, as the original's is (a wrapper put on it is honoured).
-    gathered = _gather(dist.ProcessGroup, gather_into,
-                       lambda *args, **kwargs: funcol.all_gather_tensor(*args, **kwargs))
+
+    def gathered(kv_buffer: torch.Tensor, group: Any) -> torch.Tensor:
+        if not direct_fits(kv_buffer, group, process_group):  # the buffer is contiguous: the forward made it so
+            # looked up per call, as the original's is (a wrapper put on it is honoured)
+            return funcol.all_gather_tensor(kv_buffer, gather_dim=0, group=group)
+        out = kv_buffer.new_empty((group.size() * kv_buffer.numel(),))
+        gather_into(out, kv_buffer, group=group)
+        return out
 
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
