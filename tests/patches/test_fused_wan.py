@@ -241,18 +241,32 @@ def test_rotary_of_another_dtype_gets_diffusers_self_attention(dtype: torch.dtyp
     assert calls["rms_norm_rope"] == 1 and calls["modulate"] == 4  # cross-attention and the glue only
 
 
-def test_context_parallel_processor_is_covered() -> None:
-    """A processor with a parallel config (context parallelism: the rank's shard of the sequence) is covered too
-    (issue 17, round 9); two gloo ranks run tiny Wan under Ulysses and ring in test_fused_context_parallel.py."""
+def test_context_parallel_processor_hands_attention_what_diffusers_does(calls: Dict[str, int],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processors with a parallel config (context parallelism, issue 17 round 9) run the fused q/k stretch, and the
+    attention backend receives what diffusers' processor hands it: the config in self-attention, none in
+    cross-attention (the text is not split). The backend here records the config and attends locally; two gloo
+    ranks run tiny Wan under real Ulysses and ring in test_fused_context_parallel.py."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     model, inputs = tiny("wan")
     hidden, text, temb, rotary = _block_inputs(model, inputs)
-    attn = model.blocks[0].attn1
-    processor = transformer_wan.WanAttnProcessor()
-    with torch.no_grad(), force_tier("torch"):
-        norm = model.blocks[0].norm1(hidden.float()).type_as(hidden)
-        assert wan_qk_norm_rope._covered(processor, attn, norm, None, rotary)
-        processor._parallel_config = object()
-        assert wan_qk_norm_rope._covered(processor, attn, norm, None, rotary)
+    block, config = model.blocks[0], object()
+    for attn in (block.attn1, block.attn2):
+        monkeypatch.setattr(attn.processor, "_parallel_config", config, raising=False)
+    name, real = _AttentionBackendRegistry.get_active_backend()
+    seen: list = []
+
+    def recording(*args: Any, _parallel_config: Any = None, **kwargs: Any) -> torch.Tensor:
+        seen.append(_parallel_config)
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(_AttentionBackendRegistry._backends, name, recording)
+    with torch.no_grad():
+        out, ref = _patched_and_diffusers(block, hidden, text, temb, rotary)
+    assert torch.equal(out, ref)
+    assert calls["rms_norm_rope"] == 2  # self- and cross-attention, both under the parallel config
+    assert seen == [config, None, config, None]  # diffusers' processor, then the patched one
 
 
 # ---- torch.compile: the patterns step aside --------------------------------------------------------

@@ -62,7 +62,7 @@ def _norms_stock(attn: Any) -> bool:
                for norm in (attn.norm_q, attn.norm_k))
 
 
-def _covered(processor: Any, attn: Any, hidden_states: Any, encoder_hidden_states: Any, rotary_emb: Any) -> bool:
+def _covered(attn: Any, hidden_states: Any, encoder_hidden_states: Any, rotary_emb: Any) -> bool:
     rotary = tuple(rotary_emb) if isinstance(rotary_emb, (tuple, list)) else (rotary_emb,)
     return (
         attn.add_k_proj is None  # I2V: the image context's extra attention runs in diffusers' code
@@ -113,7 +113,7 @@ def _diffusers_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, rotary_emb:
 
 
 def _processor(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
-    if not _covered(self, attn, hidden_states, encoder_hidden_states, rotary_emb):
+    if not _covered(attn, hidden_states, encoder_hidden_states, rotary_emb):
         return FALLBACK
     module = sys.modules[_WAN]
     query, key, value = module._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
