@@ -24,7 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import DTYPES, HAS_TRITON, UNIT, hyp, needs_triton, ulps
-from torchpatches.ops import _rope_tiers, _tiers, linear_gelu, modulate, qk_norm_rope, rms_norm_rope, rope, slices, swiglu
+from torchpatches.ops import (_rope_tiers, _tiers, linear_gelu, lse_merge, modulate, qk_norm_rope, rms_norm_rope, rope,
+                              slices, swiglu)
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -145,6 +146,12 @@ def _rms_rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
                                        tier=tier)[0]
 
 
+def _lse_merge(x: torch.Tensor, tier: Any) -> torch.Tensor:
+    # x as two partial outputs [..., 8] and, from their first columns, their log-sum-exps
+    a, b = x[..., :8], x[..., 8:]
+    return lse_merge.lse_merge(a, a[..., 0] * 3, b, b[..., 1], tier=tier)[0]
+
+
 def _rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return rope.apply_rope_qk(x.reshape(x.shape[0], x.shape[1], 2, -1), None, _COS, _SIN, tier=tier)[0]
 
@@ -152,7 +159,7 @@ def _rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
 OPS: Dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
     "layer_norm_modulate": _lnmod, "gate_residual": _gate, "swiglu": _swiglu, "gelu_tanh_into": _gelu_into,
     "qk_norm_rope": _qk, "apply_rope_qk": _rope,
-    "rms_norm_rope": _rms_rope,
+    "rms_norm_rope": _rms_rope, "lse_merge": _lse_merge,
 }
 
 
@@ -239,6 +246,9 @@ BAD_ARGUMENTS = {
     "gelu_tanh_into out": (lambda: slices.gelu_tanh_into(_randn(2, 4), [0.0]), "out"),
     "linear_gelu x": (lambda: linear_gelu.linear_gelu_tanh([1.0], _randn(3, 4), None), "x"),
     "linear_gelu bias": (lambda: linear_gelu.linear_gelu_tanh(_randn(2, 4), _randn(3, 4), [0.0]), "bias"),
+    "lse_merge lse_b": (lambda: lse_merge.lse_merge(_randn(2, 4), _randn(2), _randn(2, 4), 0.0), "lse_b"),
+    "lse_merge out_dtype": (lambda: lse_merge.lse_merge(_randn(2, 4), _randn(2), _randn(2, 4), _randn(2),
+                                                        out_dtype="bf16"), "out_dtype"),
     "qk_norm_rope eps": (lambda: qk_norm_rope.qk_norm_rope(
         _randn(1, 2, 1, 4), _randn(1, 2, 1, 4), _randn(2, 4), _randn(2, 4), q_weight=_randn(4),
         k_weight=_randn(4), eps_q=None, eps_k=1e-6), "eps_q"),

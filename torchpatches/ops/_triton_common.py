@@ -84,11 +84,31 @@ def _mul_rn(x, y, LIBDEVICE: tl.constexpr):
         return x * y
 
 
+def _div_rn(x, y, LIBDEVICE: tl.constexpr):
+    # CUDA: __fdiv_rn, the IEEE quotient torch's kernels compute with ``/`` (triton's own fp32 ``/`` is
+    # div.full.f32, within 2 ulp).
+    if LIBDEVICE:
+        return libdevice.div_rn(x, y)
+    else:
+        return x / y
+
+
+def _log1p(x, LIBDEVICE: tl.constexpr):
+    # CUDA: log1pf, as torch's logsigmoid kernel; the interpreter has no libdevice.
+    if LIBDEVICE:
+        return libdevice.log1p(x)
+    else:
+        return tl.log(1.0 + x)
+
+
 RSQRT_PY = _rsqrt
 EXP_PY = _exp
 MUL_RN_PY = _mul_rn
+DIV_RN_PY = _div_rn
+LOG1P_PY = _log1p
 #: Every helper by its global name, for ``interpreted`` (the interpreter's own rounding).
-HELPERS_PY = {"_round_to": ROUND_TO_PY, "_rsqrt": _rsqrt, "_exp": _exp, "_mul_rn": _mul_rn}
+HELPERS_PY = {"_round_to": ROUND_TO_PY, "_rsqrt": _rsqrt, "_exp": _exp, "_mul_rn": _mul_rn, "_div_rn": _div_rn,
+              "_log1p": _log1p}
 
 #: The combine function of ``tl.sum``. Kernels reduce with ``tl.reduce(x, axis, _sum_combine)``: the
 #: interpreter recognises it (a numpy sum), whereas ``tl.sum`` itself is a compiled ``@jit`` function
@@ -99,6 +119,8 @@ _round_to = triton.jit(ROUND_TO_COMPILED)
 _rsqrt = triton.jit(RSQRT_PY)
 _exp = triton.jit(EXP_PY)
 _mul_rn = triton.jit(MUL_RN_PY)
+_div_rn = triton.jit(DIV_RN_PY)
+_log1p = triton.jit(LOG1P_PY)
 
 
 def interpreted(kernel_py: Any, helpers: Dict[str, Any]) -> Any:
