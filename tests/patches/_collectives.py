@@ -1,4 +1,4 @@
-"""What the context-parallel collective patches' unit tests share (``test_cp_all_to_all``, ``test_cp_ring_gather``;
+"""What the context-parallel collective patches' unit tests share (``test_cp_all_to_all``, ``test_cp_ring_attention``;
 their one-rank gloo group is the ``group`` fixture of this folder's conftest): a call counter for a functional
 collective, a dispatch mode that passes every op through, a plain tensor subclass."""
 from __future__ import annotations

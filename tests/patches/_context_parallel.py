@@ -54,9 +54,9 @@ MODELS = ("flux1", "flux2", "wan")
 EVEN_ONLY = ("wan",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Patches applied in the patched run (and reverted in the unpatched one) besides the fused patterns.
-EXTRA = ("rope", "cp_all_to_all", "cp_ring_gather")
+EXTRA = ("rope", "cp_all_to_all", "cp_ring_attention")
 #: The fused ops whose calls are counted (their ``_impl``: the body every tier and dispatch reaches).
-OPS = ("modulate", "qk_norm_rope", "rms_norm_rope", "swiglu", "slices")
+OPS = ("modulate", "qk_norm_rope", "rms_norm_rope", "swiglu", "slices", "lse_merge")
 #: Seconds a collective may wait for the other rank before it raises (a failing rank must not hang the test).
 COLLECTIVE_TIMEOUT = 60
 
@@ -134,7 +134,7 @@ def _count_op_calls(counts: Dict[str, Any]) -> None:
 def _count_functional_collectives(counts: Dict[str, Any]) -> None:
     """Count ``funcol.all_to_all_single`` calls (diffusers' Ulysses exchange when ``cp_all_to_all`` is reverted, its
     uneven-shard exchanges always) and ``funcol.all_gather_tensor`` calls (the ring's key/value gather when
-    ``cp_ring_gather`` is reverted, the uneven ring's always, and the output gather of diffusers' hooks)."""
+    ``cp_ring_attention`` is reverted, the uneven ring's always, and the output gather of diffusers' hooks)."""
     import torch.distributed._functional_collectives as funcol
 
     for name, key in (("all_to_all_single", "functional_all_to_all"), ("all_gather_tensor", "functional_all_gather")):
@@ -197,8 +197,9 @@ def _grad_case(mode: str, counts: Dict[str, Any]) -> Dict[str, Any]:
     """A training step under context parallelism on tiny FLUX.1 (fp32): the output and the input's gradient with every
     patch reverted and applied, and the functional collectives each made. The fused patterns step aside (grad).
     Ulysses: diffusers' ``autograd.Function`` exchanges in its forward and backward with grad off, where
-    ``cp_all_to_all`` takes c10d's collective. Ring: ``cp_ring_gather``'s forward gathers through c10d and leaves on
-    ``ctx`` what diffusers' own backward (gathering through the functional collective) reads."""
+    ``cp_all_to_all`` takes c10d's collective. Ring: ``cp_ring_attention``'s forward gathers through c10d, merges with
+    ``lse_merge`` and leaves on ``ctx`` what diffusers' own backward (gathering through the functional collective)
+    reads."""
     import torchpatches
     from _fused_models import FUSED
     from diffusers import ContextParallelConfig
@@ -216,15 +217,17 @@ def _grad_case(mode: str, counts: Dict[str, Any]) -> Dict[str, Any]:
     for patched in (False, True):
         hidden = inputs["hidden_states"].detach().clone().requires_grad_(True)
         counts.clear()
+        counts["tokens"] = set()
         with contextlib.ExitStack() as stack:
             if not patched:
                 stack.enter_context(torchpatches.disabled(*FUSED, *EXTRA))
             out = model(**{**inputs, "hidden_states": hidden}, return_dict=False)[0]
             out.square().sum().backward()
-        runs.append((out.detach(), hidden.grad, [counts["functional_all_to_all"], counts["functional_all_gather"]]))
-    (out0, grad0, calls0), (out1, grad1, calls1) = runs
+        runs.append((out.detach(), hidden.grad, [counts["functional_all_to_all"], counts["functional_all_gather"]],
+                     counts["lse_merge"]))
+    (out0, grad0, calls0, merges0), (out1, grad1, calls1, merges1) = runs
     return dict(equal=bool(torch.equal(out0, out1)), grad_equal=bool(torch.equal(grad0, grad1)),
-                grad_nonzero=bool(grad0.abs().sum() > 0), functional=[calls0, calls1])
+                grad_nonzero=bool(grad0.abs().sum() > 0), functional=[calls0, calls1], merges=[merges0, merges1])
 
 
 def _native_ring_error() -> str:

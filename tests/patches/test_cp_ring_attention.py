@@ -1,4 +1,4 @@
-"""``cp_ring_gather``: diffusers' ring attention gathers keys and values through c10d, with the original's values.
+"""``cp_ring_attention``: diffusers' ring attention gathers keys and values through c10d, with the original's values.
 
 Two ranks emulated in this process (a two-rank group to the predicate, c10d's gather and the functional one each
 giving both ranks' buffers in rank order): on each rank the patched forward's output, log-sum-exp and what it
@@ -32,12 +32,12 @@ import torchpatches  # noqa: E402
 
 from _collectives import PassThrough, Sub, counted_calls  # noqa: E402
 from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
-from torchpatches.patches import cp_ring_gather  # noqa: E402
+from torchpatches.patches import cp_ring_attention  # noqa: E402
 
 
 @pytest.fixture
 def ring() -> Any:
-    torchpatches.apply(["cp_ring_gather"])
+    torchpatches.apply(["cp_ring_attention"])
     from diffusers.models.attention_dispatch import TemplatedRingAttention
 
     return TemplatedRingAttention
@@ -80,7 +80,7 @@ def _call(ring: Any, group: Any, qkv: List[torch.Tensor], return_lse: bool = Tru
 def test_the_c10d_gather_gives_the_original_output(group: Any, ring: Any, gathers: List[int], dtype: torch.dtype,
                                                    return_lse: bool) -> None:
     qkv = _qkv(dtype)
-    with torchpatches.disabled("cp_ring_gather"), warnings.catch_warnings():
+    with torchpatches.disabled("cp_ring_attention"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # the functional gather's deprecation, torch >= 2.13
         expected = _call(ring, group, qkv, return_lse)
     assert len(gathers) == 1
@@ -106,7 +106,7 @@ def test_the_functional_gather_runs_for_what_c10d_does_not_cover(group: Any, rin
                                                                  monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     qkv = _qkv()
     if case == "compiling":  # what Dynamo's constant-folded check reads while it traces: the original forward
-        monkeypatch.setattr(cp_ring_gather, "is_compiling", lambda: True)
+        monkeypatch.setattr(cp_ring_attention, "is_compiling", lambda: True)
         _call(ring, group, qkv)
     elif case == "forward AD":
         import torch.autograd.forward_ad as fwAD
@@ -142,38 +142,47 @@ def test_dynamo_traces_the_original_in_one_graph(group: Any, ring: Any) -> None:
 
 
 class FakeGroup:
-    """A two-rank group to the predicate (``process_group`` is this class in these tests): only ``size`` is read."""
+    """A group of ``size`` ranks to the predicate (``process_group`` is this class in these tests): only ``size``
+    is read."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.ranks = size
 
     def size(self) -> int:
-        return 2
+        return self.ranks
 
 
 def _kv_buffer(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.cat([key.flatten(), value.flatten()])
 
 
-def _rank_config(rank: int, group: Any) -> Any:
+def _rank_config(rank: int, group: Any, convert_to_fp32: bool = True) -> Any:
     cp = types.SimpleNamespace(_ring_mesh=types.SimpleNamespace(get_group=lambda: group), _ring_local_rank=rank,
-                               ring_degree=2, convert_to_fp32=True)
+                               ring_degree=group.size(), convert_to_fp32=convert_to_fp32)
     return types.SimpleNamespace(context_parallel_config=cp)
 
 
-def _two_rank_call(forward: Any, inputs: List[torch.Tensor], config: Any) -> Any:
+def _with_trailing_lse(*args: Any, **kwargs: Any) -> Any:
+    """A backend whose log-sum-exp keeps a trailing 1 (``[B, S, H, 1]``, diffusers PR 12693)."""
+    out, lse = _attention_with_lse(*args, **kwargs)
+    return out, lse.unsqueeze(-1)
+
+
+def _ring_call(forward: Any, inputs: List[torch.Tensor], config: Any, op: Any = _attention_with_lse) -> Any:
     """``forward`` (a ``TemplatedRingAttention.forward`` function) as the rank ``config`` says: (out, lse, ctx)."""
     ctx = types.SimpleNamespace()
-    out, lse = forward(ctx, *inputs, None, 0.0, False, None, False, True, _attention_with_lse, None, config)
+    out, lse = forward(ctx, *inputs, None, 0.0, False, None, False, True, op, None, config)
     return out, lse, ctx
 
 
-@pytest.mark.parametrize("torch_release", ["all_gather_single", "all_gather_into_tensor"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_ranks_merge_the_gathered_keys_and_values_as_the_original(ring: Any, monkeypatch: pytest.MonkeyPatch,
-                                                                     dtype: torch.dtype, torch_release: str) -> None:
-    """Two ranks emulated in this process: the c10d gather (``all_gather_single``, or ``all_gather_into_tensor`` on a
-    torch before 2.13) fills rank order, the ring loop reads the other rank's chunk and merges the log-sum-exps;
-    output, log-sum-exp and what the forward leaves on ``ctx`` equal the original's, whose functional gather gives
-    the same two buffers."""
-    inputs = [[x.to(dtype) for x in _qkv()], [x.to(dtype) for x in _qkv()[::-1]]]
+def _emulated_ranks(ring: Any, monkeypatch: pytest.MonkeyPatch, ranks: int, dtype: torch.dtype,
+                    torch_release: str = "all_gather_single") -> Any:
+    """``ranks`` ranks emulated in this process: each rank's (q, k, v), the original and the patched forward
+    functions, the group, and the c10d gathers seen. c10d's gather (``all_gather_single``, or
+    ``all_gather_into_tensor`` on a torch before 2.13) and the functional one both give every rank's buffer in
+    rank order."""
+    generator = torch.Generator().manual_seed(ranks)
+    inputs = [[torch.randn(1, 6, 2, 8, generator=generator).to(dtype) for _ in range(3)] for _ in range(ranks)]
     buffers = [_kv_buffer(*qkv[1:]) for qkv in inputs]
     seen: List[Any] = []
 
@@ -186,22 +195,92 @@ def test_two_ranks_merge_the_gathered_keys_and_values_as_the_original(ring: Any,
         return torch.cat(buffers)
 
     original = getattr(ring.__dict__["forward"], MARK_ORIGINAL).__func__
-    group = FakeGroup()
     monkeypatch.setattr(dist, "ProcessGroup", FakeGroup)
     if torch_release == "all_gather_into_tensor":
         monkeypatch.delattr(dist, "all_gather_single", raising=False)
     monkeypatch.setattr(dist, torch_release, c10d_gather, raising=False)  # torch 2.11 has no all_gather_single
     monkeypatch.setattr(funcol, "all_gather_tensor", functional_gather)
-    patched = cp_ring_gather._replacement(getattr(ring.__dict__["forward"], MARK_ORIGINAL)).__func__
+    patched = cp_ring_attention._replacement(getattr(ring.__dict__["forward"], MARK_ORIGINAL)).__func__
+    return types.SimpleNamespace(inputs=inputs, buffers=buffers, seen=seen, original=original, patched=patched,
+                                 group=FakeGroup(ranks))
+
+
+def _same_as_the_original(got: Any, expected: Any) -> None:
+    for e, g in zip(expected[:2], got[:2]):
+        assert g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
+    assert {k: v for k, v in vars(got[2]).items() if not isinstance(v, torch.Tensor)} == \
+        {k: v for k, v in vars(expected[2]).items() if not isinstance(v, torch.Tensor)}
+    assert torch.equal(got[2].ring_out, expected[2].ring_out) and torch.equal(got[2].ring_lse, expected[2].ring_lse)
+
+
+@pytest.fixture
+def merges(monkeypatch: pytest.MonkeyPatch) -> List[Any]:
+    """The ``out_dtype`` of every ``lse_merge`` call the patched forward makes (its body, whichever tier)."""
+    from torchpatches.ops import lse_merge as op
+
+    calls: List[Any] = []
+    real = op._impl
+
+    def counted(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any, out_dtype: torch.dtype, tier: str) -> Any:
+        calls.append(out_dtype)
+        return real(out_a, lse_a, out_b, lse_b, out_dtype, tier)
+
+    monkeypatch.setattr(op, "_impl", counted)
+    return calls
+
+
+@pytest.mark.parametrize("torch_release", ["all_gather_single", "all_gather_into_tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_ranks_merge_the_gathered_keys_and_values_as_the_original(ring: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                     merges: List[Any], dtype: torch.dtype,
+                                                                     torch_release: str) -> None:
+    """The ring loop reads the other rank's chunk of the c10d gather and merges the log-sum-exps in one
+    ``lse_merge`` call (PyTorch tier on CPU: diffusers' ops); output, log-sum-exp and what the forward leaves on
+    ``ctx`` equal the original's; the gather is asked for twice the buffer."""
+    world = _emulated_ranks(ring, monkeypatch, 2, dtype, torch_release)
     for rank in range(2):
-        config = _rank_config(rank, group)
-        expected, got = _two_rank_call(original, inputs[rank], config), _two_rank_call(patched, inputs[rank], config)
-        for e, g in zip(expected[:2], got[:2]):
-            assert g.dtype == e.dtype and torch.equal(g, e), rank
-        assert {k: v for k, v in vars(got[2]).items() if not isinstance(v, torch.Tensor)} == \
-            {k: v for k, v in vars(expected[2]).items() if not isinstance(v, torch.Tensor)}
-        assert torch.equal(got[2].ring_out, expected[2].ring_out) and torch.equal(got[2].ring_lse, expected[2].ring_lse)
-    assert seen == [(torch.Size([2 * buffers[0].numel()]), dtype, group)] * 2
+        config = _rank_config(rank, world.group)
+        _same_as_the_original(_ring_call(world.patched, world.inputs[rank], config),
+                              _ring_call(world.original, world.inputs[rank], config))
+    assert world.seen == [(torch.Size([2 * world.buffers[0].numel()]), dtype, world.group)] * 2
+    assert merges == [dtype, dtype]  # one merge per rank, writing the query's dtype
+
+
+@pytest.mark.parametrize("case", ["three ranks", "trailing lse dim", "no fp32 merge", "one rank"])
+def test_the_ring_merges_as_the_original_in_every_form(ring: Any, monkeypatch: pytest.MonkeyPatch,
+                                                       merges: List[Any], case: str) -> None:
+    """Three ranks: two merges, the first one's result fp32 (as diffusers' running output), the last in the
+    query's dtype. A backend with a ``[B, S, H, 1]`` log-sum-exp: fused too. ``convert_to_fp32=False`` and one
+    rank: diffusers' own merge (no ``lse_merge`` call). Every case bit-equal to the original."""
+    ranks = {"three ranks": 3, "one rank": 1}.get(case, 2)
+    world = _emulated_ranks(ring, monkeypatch, ranks, torch.bfloat16)
+    op = _with_trailing_lse if case == "trailing lse dim" else _attention_with_lse
+    for rank in range(ranks):
+        config = _rank_config(rank, world.group, convert_to_fp32=case != "no fp32 merge")
+        _same_as_the_original(_ring_call(world.patched, world.inputs[rank], config, op),
+                              _ring_call(world.original, world.inputs[rank], config, op))
+    expected = {"three ranks": [torch.float32, torch.bfloat16] * 3, "trailing lse dim": [torch.bfloat16] * 2}
+    assert merges == expected.get(case, [])
+
+
+def test_the_kernel_merge_inside_the_ring_is_the_original_within_fp32_rounding(
+        ring: Any, monkeypatch: pytest.MonkeyPatch, merges: List[Any]) -> None:
+    """The Triton tier (CPU interpreter: numpy's exp / log, where CUDA's libdevice calls give torch's bits) inside
+    the patched forward, three ranks so an fp32 running output passes between merges: the log-sum-exp within
+    fp32 rounding, the fp32 output within 1e-6, what the backward reads on ``ctx`` the returned tensors."""
+    pytest.importorskip("triton")
+    from torchpatches.ops import lse_merge as op
+
+    world = _emulated_ranks(ring, monkeypatch, 3, torch.float32)
+    for rank in range(3):
+        config = _rank_config(rank, world.group)
+        expected = _ring_call(world.original, world.inputs[rank], config)
+        with op.force_tier("triton"):
+            got = _ring_call(world.patched, world.inputs[rank], config)
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got[1], expected[1], rtol=1e-6, atol=1e-6)
+        assert torch.equal(got[2].ring_out, got[0]) and torch.equal(got[2].ring_lse, got[1])
+    assert len(merges) == 6
 
 
 def test_the_predicate_refuses_a_coalescing_group(group: Any) -> None:
@@ -220,9 +299,9 @@ def test_revert_puts_the_original_staticmethod_back(ring: Any) -> None:
     original = getattr(patched, MARK_ORIGINAL)  # what the registry found in diffusers' class
     assert isinstance(patched, staticmethod) and isinstance(original, staticmethod) and original is not patched
     assert original.__func__.__code__.co_filename.endswith("attention_dispatch.py")
-    torchpatches.revert("cp_ring_gather")
+    torchpatches.revert("cp_ring_attention")
     try:
         assert ring.__dict__["forward"] is original
     finally:
-        torchpatches.apply(["cp_ring_gather"])
+        torchpatches.apply(["cp_ring_attention"])
     assert ring.__dict__["forward"] is patched

@@ -1,39 +1,58 @@
-"""cp_ring_gather: the key/value all-gather of diffusers' ring attention through c10d directly (eager host time).
+"""cp_ring_attention: diffusers' ring attention forward in eager: its key/value all-gather through c10d directly,
+and the log-sum-exp merge of the ring's partial results in one kernel.
 
 What goes wrong upstream
     Under diffusers' context parallelism with ring attention (``ContextParallelConfig(ring_degree=N)``) every
-    attention call gathers the ranks' keys and values in ``TemplatedRingAttention.forward`` with
-    ``funcol.all_gather_tensor``. Its result is an ``AsyncCollectiveTensor``: the ``chunk``, the slices and the
-    ``reshape_as`` that follow, and the attention call that finally reads a chunk, each go through that subclass'
-    ``__torch_dispatch__`` (a pytree walk per op) before the ``wait_tensor``. On a FLUX.1-dev step (57 attention
-    calls) diffusers' ring step made 116,021 Python calls where its Ulysses step made 43,346 (rank 0 under
-    cProfile), on a step that context parallelism already makes host-bound (docs/fused.md, "Context parallelism,
-    round 9"). The call also warns (``FutureWarning``: ``all_gather_tensor`` is deprecated) on torch 2.13 (not on
-    2.11), an error under ``-W error``; diffusers' output gather hook makes the same call once per step, which this
-    patch does not change. No upstream issue as of diffusers 0.42.1.
+    attention call runs ``TemplatedRingAttention.forward``. Two parts of it cost more than their work:
+
+    - The key/value gather is ``funcol.all_gather_tensor``. Its result is an ``AsyncCollectiveTensor``: the
+      ``chunk``, the slices and the ``reshape_as`` that follow, and the attention call that finally reads a chunk,
+      each go through that subclass' ``__torch_dispatch__`` (a pytree walk per op) before the ``wait_tensor``. On
+      a FLUX.1-dev step (57 attention calls) diffusers' ring step made 116,021 Python calls where its Ulysses step
+      made 43,346 (rank 0 under cProfile), on a step that context parallelism already makes host-bound
+      (docs/fused.md, "Context parallelism, round 9"). The call also warns (``FutureWarning``:
+      ``all_gather_tensor`` is deprecated) on torch 2.13 (not on 2.11), an error under ``-W error``; diffusers'
+      output gather hook makes the same call once per step, which this patch does not change.
+    - The merge of each ring step's partial output into the running one (``convert_to_fp32``, the default) is
+      about ten torch ops over fp32 copies of ``[B, S, H, D]``: two casts, five ops for the output, three for
+      the log-sum-exp, the final cast; per FLUX.1-dev ring step (two ranks) about 570 launches and some 350 MB of
+      memory traffic per attention call where one pass reads 2 x 14 MB and writes 14 MB (docs/fused.md, "Context
+      parallelism, round 10").
+
+    No upstream issue as of diffusers 0.42.1.
 
 What the patch changes
-    ``TemplatedRingAttention.forward`` is diffusers' own code (0.42.1) with one line changed: in eager, the gather
-    is ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) into a new 1-D tensor:
-    the ranks' buffers in rank order, the same values bit for bit as the functional collective's (data movement
-    only), ordered on the current stream before anything that reads them, and a plain tensor, so the views and the
-    attention call that follow are plain torch calls. Everything else (the ring loop, the log-sum-exp merge, what
-    the forward leaves on ``ctx`` for diffusers' unchanged backward) is the original's. The original forward runs
-    under torch.compile (Dynamo traces the functional collective) and under a transform (functorch, forward AD,
-    ``torch.jit.trace``); the functional gather runs, as in the original, for what c10d may not replace
-    (``_direct_collectives``: a tensor subclass, a group that is not a ``ProcessGroup``, a Python torch-function or
-    dispatch mode, complex or empty buffers, a ``_coalescing_manager`` block, CUDA-graph capture). The backward,
-    ``TemplatedRingAnythingAttention`` (uneven shards) and the output gather of diffusers' hooks are not touched.
+    ``TemplatedRingAttention.forward`` is diffusers' own code (0.42.1) with two changes, both in eager only:
+
+    - the gather is ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) into
+      a new 1-D tensor: the ranks' buffers in rank order, the same values bit for bit as the functional
+      collective's (data movement only), ordered on the current stream before anything that reads them, and a
+      plain tensor, so the views and the attention call that follow are plain torch calls;
+    - with ``convert_to_fp32`` each merge is one ``ops.lse_merge`` call (its Triton tier on CUDA computes
+      diffusers' fp32 steps with the functions torch's kernels call: bit-identical; its PyTorch tier elsewhere
+      is diffusers' code). The first partial output is read in the backend's dtype (its fp32 copy is exact),
+      the last merge writes the query's dtype (the final cast's rounding).
+
+    Everything else (the ring loop, what the forward leaves on ``ctx`` for diffusers' unchanged backward) is the
+    original's. The original forward runs under torch.compile (Dynamo traces the functional collective) and
+    under a transform (functorch, forward AD, ``torch.jit.trace``); the functional gather runs, as in the
+    original, for what c10d may not replace (``_direct_collectives``: a tensor subclass, a group that is not a
+    ``ProcessGroup``, a Python torch-function or dispatch mode, complex or empty buffers, a
+    ``_coalescing_manager`` block, CUDA-graph capture); diffusers' merge runs without ``convert_to_fp32``, for
+    one rank, and for results whose log-sum-exp is not ``[B, S, H]`` (or ``[B, S, H, 1]``) plain float tensors
+    of the output's device. The backward, ``TemplatedRingAnythingAttention`` (uneven shards) and the output
+    gather of diffusers' hooks are not touched.
 
 Versions
     diffusers 0.40 - 0.42: ``TemplatedRingAttention.forward`` fingerprinted in 0.40.0 (its source differs from
     0.41's by the return annotation only), 0.41.0, 0.42.0 and 0.42.1 (tools/fingerprint_diffusers.py). 0.39 and older
     leave nothing on ``ctx`` for their backward's reconstruction and are not verified. Any torch with
-    ``torch.distributed``.
+    ``torch.distributed``. Named ``cp_ring_gather`` in round 9, before it took the merge.
 
 When to delete
-    When diffusers' ring attention gathers with c10d in eager (or waits on the functional result before viewing it),
-    or when the functional collectives cost no more host time than c10d's in eager.
+    When diffusers' ring attention gathers with c10d in eager (or waits on the functional result before viewing it)
+    and merges in one kernel, or when the functional collectives cost no more host time than c10d's in eager and
+    the merge is fused by someone else.
 """
 from __future__ import annotations
 
@@ -43,15 +62,24 @@ import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
-from ..ops._tiers import eager_transforms
+from ..ops._tiers import FLOAT_DTYPES, eager_transforms
 from ._direct_collectives import direct_fits, distributed_missing
 
 __all__ = ["PATCH"]
 
 
+def _merge_fits(out: Any, lse: Any) -> bool:
+    """What ``lse_merge`` takes: plain float tensors on one device, ``lse`` of ``out``'s rows (a trailing 1 or not)."""
+    return (type(out) is torch.Tensor and type(lse) is torch.Tensor and out.dtype in FLOAT_DTYPES
+            and lse.dtype in FLOAT_DTYPES and out.device == lse.device and out.dim() >= 1
+            and (lse.shape == out.shape[:-1] or lse.shape == (*out.shape[:-1], 1)))
+
+
 def _replacement(original: Any) -> staticmethod:
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
+
+    from ..ops.lse_merge import lse_merge  # registers its torch.library op: loaded with the target, not the package
 
     original_forward = original.__func__
     process_group = dist.ProcessGroup
@@ -84,7 +112,7 @@ def _replacement(original: Any) -> staticmethod:
         if is_compiling() or eager_transforms():
             return original_forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                     return_lse, forward_op, backward_op, _parallel_config)
-        # From here on diffusers 0.42.1's code, but for the gather.
+        # From here on diffusers 0.42.1's code, but for the gather and the merge.
         ring_mesh = _parallel_config.context_parallel_config._ring_mesh
         rank = _parallel_config.context_parallel_config._ring_local_rank
         world_size = _parallel_config.context_parallel_config.ring_degree
@@ -101,6 +129,7 @@ def _replacement(original: Any) -> staticmethod:
         kv_buffer = gathered(kv_buffer, ring_mesh.get_group())
         kv_buffer = kv_buffer.chunk(world_size)
 
+        fused_merge = None
         for i in range(world_size):
             if i > 0:
                 kv = kv_buffer[next_rank]
@@ -124,6 +153,18 @@ def _replacement(original: Any) -> staticmethod:
                 _parallel_config=_parallel_config,
             )
 
+            if fused_merge is None:  # every step's result has the first one's shapes and dtypes
+                fused_merge = (world_size > 1 and _parallel_config.context_parallel_config.convert_to_fp32
+                               and _merge_fits(out, lse))
+            if fused_merge:
+                lse = lse.reshape(out.shape[:-1])
+                if prev_out is not None:
+                    out, lse = lse_merge(prev_out, prev_lse, out, lse,
+                                         out_dtype=query.dtype if i == world_size - 1 else torch.float32)
+                prev_out = out
+                prev_lse = lse
+                continue
+
             if _parallel_config.context_parallel_config.convert_to_fp32:
                 out = out.to(torch.float32)
                 lse = lse.to(torch.float32)
@@ -137,8 +178,9 @@ def _replacement(original: Any) -> staticmethod:
             prev_out = out
             prev_lse = lse
 
-        out = out.to(query.dtype)
-        lse = lse.squeeze(-1)
+        if not fused_merge:  # lse_merge wrote the query's dtype and [B, S, H]
+            out = out.to(query.dtype)
+            lse = lse.squeeze(-1)
 
         # diffusers' backward reconstructs each ring iteration from the reduced out / lse.
         ctx.ring_out = out.detach()
@@ -151,8 +193,9 @@ def _replacement(original: Any) -> staticmethod:
 
 
 PATCH = Patch(
-    name="cp_ring_gather",
-    summary="diffusers' ring attention key/value all-gather (context parallelism) through c10d directly in eager",
+    name="cp_ring_attention",
+    summary="diffusers' ring attention (context parallelism) in eager: key/value all-gather through c10d, "
+            "log-sum-exp merge in one kernel",
     targets=(
         Target("diffusers.models.attention_dispatch:TemplatedRingAttention.forward", make_replacement=_replacement,
                fingerprints=frozenset({
