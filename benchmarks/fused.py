@@ -1,6 +1,6 @@
 """Fused DiT ops on the GPU at FLUX shapes: correctness against diffusers' own code, then timings.
 
-For each op (``torchpatches.ops.modulate``, ``qk_norm_rope``, ``swiglu``, ``linear_gelu``) at FLUX.1-dev
+For each op (``torchpatches.ops.modulate``, ``qk_norm_rope``, ``swiglu``, ``linear_gelu``, ``lse_merge``) at FLUX.1-dev
 and FLUX.2-dev shapes (4096 image + 512 text tokens, batch 1, bf16):
 
 - correctness: the op against the diffusers code it replaces (same inputs, fresh random data, outputs
@@ -140,7 +140,7 @@ def cases(shape: Dict[str, int], device: torch.device) -> List[Dict[str, Any]]:
     from diffusers.models import embeddings
     from diffusers.models.transformers.transformer_flux2 import Flux2SwiGLU
 
-    from torchpatches.ops import modulate, qk_norm_rope, slices, swiglu
+    from torchpatches.ops import lse_merge, modulate, qk_norm_rope, slices, swiglu
     from torchpatches.ops.linear_gelu import linear_gelu_tanh
 
     def apply_rotary_emb(*a: Any, **k: Any) -> torch.Tensor:  # looked up per call: unpatched under disabled()
@@ -243,6 +243,26 @@ def cases(shape: Dict[str, int], device: torch.device) -> List[Dict[str, Any]]:
     out.append(dict(
         name="flux2_single_swiglu_cat", bytes=S * (2 * H * Dh + 3 * mlp) * e,
         ref=lambda: torch.cat([attn_out, act(mlp_in)], dim=-1), op=swiglu_cat_op,
+    ))
+    # Ring attention (two ranks): one rank's two partial outputs [1, S/2, H, Dh] merged by their log-sum-exps,
+    # diffusers' TemplatedRingAttention.forward (convert_to_fp32) against ops.lse_merge (cp_ring_attention).
+    shard = S // 2
+    partial = [rnd(1, shard, H, Dh, device=device) for _ in range(2)]
+    lses = [rnd(1, shard, H, device=device, scale=2.0, dtype=torch.float32) for _ in range(2)]
+
+    def ring_merge_ref():
+        prev_o = prev_l = None
+        for o, l in zip(partial, lses):
+            o, l = o.to(torch.float32), l.to(torch.float32).unsqueeze(-1)
+            if prev_o is not None:
+                o = prev_o - F.sigmoid(l - prev_l) * (prev_o - o)
+                l = prev_l - F.logsigmoid(prev_l - l)
+            prev_o, prev_l = o, l
+        return o.to(torch.bfloat16), l.squeeze(-1)
+
+    out.append(dict(
+        name="ring_lse_merge", bytes=3 * shard * H * Dh * e + 3 * shard * H * 4, ref=ring_merge_ref,
+        op=lambda: lse_merge.lse_merge(partial[0], lses[0], partial[1], lses[1], out_dtype=torch.bfloat16),
     ))
     # GELU(tanh) projection (FLUX.1 double-block MLP in): addmm + gelu vs the cuBLASLt epilogue.
     xin = rnd(S, D, device=device)
