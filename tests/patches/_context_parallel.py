@@ -49,9 +49,17 @@ CASES: Dict[str, Tuple[Dict[str, Any], Any, Dict[str, Any], bool]] = {
     "ulysses-uneven": (dict(ulysses_degree=2, ulysses_anything=True), None, dict(side=3, text_tokens=7), False),
     "ring-uneven": (dict(ring_degree=2, ring_anything=True), "_native_flash", dict(side=3, text_tokens=7), False),
 }
-MODELS = ("flux1", "flux2", "wan")
-#: Models whose tiny inputs have no text-token option: they run the evenly split cases only.
-EVEN_ONLY = ("wan",)
+MODELS = ("flux1", "flux2", "wan", "qwenimage")
+#: The cases a model does not run, and why.
+NOT_RUN = {
+    **{("wan", case): "wan's tiny inputs have no text-token option: evenly split cases only"
+       for case in ("ulysses-uneven", "ring-uneven")},
+    **{("qwenimage", case): "qwenimage's tiny inputs have no text-token option: evenly split cases only"
+       for case in ("ulysses-uneven", "ring-uneven")},
+    # QwenImage's processor always builds a joint attention mask from the text mask; the CPU ring backend
+    # (_native_flash, the one that returns the log-sum-exp there) raises for any attn_mask.
+    ("qwenimage", "ring"): "qwenimage passes an attention mask, which the CPU ring backend (_native_flash) refuses",
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Patches applied in the patched run (and reverted in the unpatched one) besides the fused patterns.
 EXTRA = ("rope", "cp_all_to_all", "cp_ring_attention")
@@ -161,10 +169,11 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
     model = build_model(config, dtype=dtype)
     inputs = tiny_inputs(config, dtype=dtype, **options)
     inputs.pop("return_dict")
+    # Every case names its backend: set_attention_backend also sets diffusers' process-wide active backend, which
+    # a model without its own (QwenImage's processor) would otherwise inherit from the case before.
+    model.set_attention_backend(backend or "native")
     with torch.no_grad(), torchpatches.disabled(*FUSED, *EXTRA):
         single = model(**inputs, return_dict=False)[0]
-    if backend is not None:
-        model.set_attention_backend(backend)
     plan = None if gathered else {"": model._cp_plan[""]}  # gloo cannot gather uneven shards
     with _one_device():
         model.enable_parallelism(config=ContextParallelConfig(**config_args), cp_plan=plan)
@@ -273,7 +282,7 @@ def _rank(rank: int, store: str, folder: str, repo_tests: str) -> None:
             results[f"{mode}-grad"] = _grad_case(mode, counts)
         with _warning_once():
             for name in CASES:
-                for which in (m for m in MODELS if CASES[name][3] or m not in EVEN_ONLY):
+                for which in (m for m in MODELS if (m, name) not in NOT_RUN):
                     for dtype_name, dtype in DTYPES.items():
                         results[f"{name}/{which}/{dtype_name}"] = _case(name, which, dtype, counts)
         del kernel
@@ -290,6 +299,7 @@ def _import_once() -> None:
 
     for name in ("torch.distributed.device_mesh", "diffusers.models.transformers.transformer_flux",
                  "diffusers.models.transformers.transformer_flux2", "diffusers.models.transformers.transformer_wan",
+                 "diffusers.models.transformers.transformer_qwenimage",
                  "diffusers.hooks.context_parallel",
                  "torchpatches._harness", *(f"torchpatches.ops.{op}" for op in OPS)):
         importlib.import_module(name)

@@ -1,11 +1,12 @@
-"""The fused patterns under diffusers' context parallelism: two CPU ranks (gloo), tiny FLUX.1 / FLUX.2 / Wan.
+"""The fused patterns under diffusers' context parallelism: two CPU ranks (gloo), tiny FLUX.1 / FLUX.2 / Wan / QwenImage.
 
 ``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and uneven
-shards (``ulysses_anything`` / ``ring_anything``; FLUX only), fp32 and bf16, the PyTorch tier forced so the fused
+shards (``ulysses_anything`` / ``ring_anything``; FLUX only; QwenImage Ulysses only), fp32 and bf16, the PyTorch tier forced so the fused
 glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and
 ``rope``, ``cp_all_to_all``, ``cp_ring_attention``) reverted. The fused block / norm / activation patterns and the
 processors' q/k stretch ran on that rank's shard of the sequence, the processors passing diffusers' attention call
-what diffusers' processors pass (their ``_parallel_config``; Wan's cross-attention none); Ulysses' all-to-alls went
+what diffusers' processors pass (their ``_parallel_config``; Wan's cross-attention none; QwenImage's joint text
+mask, split with the text, two of its tokens masked); Ulysses' all-to-alls went
 through c10d (``cp_all_to_all``), also in the backward of a training step, and so did ring attention's key/value
 gathers (``cp_ring_attention``), whose forward leaves diffusers' own ring backward what it reads (output and input
 gradient of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what
@@ -26,7 +27,7 @@ pytest.importorskip("diffusers")
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():  # pragma: no cover
     pytest.skip("torch.distributed with gloo is needed", allow_module_level=True)
 
-from _context_parallel import CASES, DTYPES, EVEN_ONLY, MODELS, run_ranks  # noqa: E402
+from _context_parallel import CASES, DTYPES, MODELS, NOT_RUN, run_ranks  # noqa: E402
 
 pytestmark = [
     pytest.mark.once,
@@ -37,7 +38,7 @@ pytestmark = [
 ]
 
 #: Fused op calls per forward under context parallelism, the same as without it: tiny FLUX (1 double + 2 single
-#: blocks) and Wan (2 blocks, each a self- and a cross-attention). The attention processors run the fused q/k
+#: blocks), Wan (2 blocks, each a self- and a cross-attention) and QwenImage (2 double-stream blocks). The attention processors run the fused q/k
 #: stretch on the rank's shard and hand diffusers' attention call what diffusers' processor does (FLUX: its
 #: ``_parallel_config``; Wan: that in self-attention, none in cross-attention); FLUX.2's single-block processor also
 #: writes its SwiGLU into to_out's buffer.
@@ -45,9 +46,10 @@ EXPECTED = {
     "flux1": {"modulate": 11, "qk_norm_rope": 3, "rms_norm_rope": 0, "swiglu": 0, "slices": 4},
     "flux2": {"modulate": 11, "qk_norm_rope": 3, "rms_norm_rope": 0, "swiglu": 4, "slices": 2},
     "wan": {"modulate": 8, "qk_norm_rope": 0, "rms_norm_rope": 4, "swiglu": 0, "slices": 0},
+    "qwenimage": {"modulate": 13, "qk_norm_rope": 2, "rms_norm_rope": 0, "swiglu": 0, "slices": 0},
 }
 #: Attention calls per forward that context parallelism splits (Wan's cross-attention is not split).
-PARALLEL_ATTENTION = {"flux1": 3, "flux2": 3, "wan": 2}
+PARALLEL_ATTENTION = {"flux1": 3, "flux2": 3, "wan": 2, "qwenimage": 2}
 
 
 def op_calls(case: str, which: str) -> Dict[str, int]:
@@ -78,9 +80,10 @@ def functional_all_gather(case: str, which: str) -> List[int]:
 #: ``cp_ring_attention``), and diffusers' backward's 3 gathers and 6 permutes (all-to-alls), left as they are.
 GRAD_FUNCTIONAL = {"ulysses": [[24, 1], [0, 1]], "ring": [[6, 7], [6, 4]]}
 #: Tokens per rank that the fused ops saw. FLUX (image + text, and each stream alone): even 16 + 8 -> 8 + 4; uneven
-#: 9 + 7 -> 5 + 4 / 4 + 3. Wan: 32 video tokens -> 16 (the cross-attention's text keys are not split).
+#: 9 + 7 -> 5 + 4 / 4 + 3. Wan: 32 video tokens -> 16 (the cross-attention's text keys are not split). QwenImage:
+#: 16 image + 8 text -> 8 + 4 (the op takes both streams; the 2 masked text tokens are rank 1's).
 TOKENS = {("flux", True): [[4, 8, 12], [4, 8, 12]], ("flux", False): [[4, 5, 9], [3, 4, 7]],
-          ("wan", True): [[16], [16]]}
+          ("wan", True): [[16], [16]], ("qwenimage", True): [[4, 8], [4, 8]]}
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
@@ -96,15 +99,15 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:
 def test_fused_glue_on_each_shard_equals_diffusers(ranks: List[Dict[str, Any]], case: str, which: str,
                                                    dtype: str) -> None:
     gathered = CASES[case][3]
-    if which in EVEN_ONLY and not gathered:
-        pytest.skip(f"{which}'s tiny inputs run the evenly split cases")
+    if (which, case) in NOT_RUN:
+        pytest.skip(NOT_RUN[which, case])
     for rank, results in enumerate(ranks):
         got = results[f"{case}/{which}/{dtype}"]
         assert got["equal"], (rank, got)
         assert got["counts"] == op_calls(case, which), (rank, got)
         assert got["functional_all_to_all"] == functional_all_to_all(case, which), (rank, got)
         assert got["functional_all_gather"] == functional_all_gather(case, which), (rank, got)
-        family = "wan" if which == "wan" else "flux"
+        family = which if which in ("wan", "qwenimage") else "flux"
         assert got["tokens"] == TOKENS[family, gathered][rank], (rank, got)  # the patterns saw this rank's shard
         assert got["processors"] > 0 and got["processors_parallel"] == got["processors"], (rank, got)
         # Context parallelism itself computed the model (the shard, or all of it after the gather).

@@ -8,7 +8,6 @@ gradients are asserted by test_fused_patches.py; forward AD, vmap/jvp and autoca
 """
 from __future__ import annotations
 
-import types
 from typing import Any, Callable, Dict
 
 import pytest
@@ -246,19 +245,34 @@ def test_accelerate_and_diffusers_hooks_get_diffusers_code(calls: Dict[str, int]
     assert dict(calls) == {"modulate": 7, "qk_norm_rope": 1}
 
 
-def test_context_parallel_processor_gets_diffusers_code(calls: Dict[str, int]) -> None:
-    """A processor with a ``_parallel_config`` (context parallelism) runs diffusers' code: with a stand-in
-    config (no process group here) diffusers' templated attention fails on it the same way, unfused."""
+def test_context_parallel_processor_hands_attention_what_diffusers_does(calls: Dict[str, int],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processors with a parallel config (context parallelism, issue 17 round 10) run the fused q/k stretch, and the
+    attention backend receives what diffusers' processor hands it: the config and the joint mask. The backend here
+    records them and attends locally; two gloo ranks run tiny QwenImage under real Ulysses (the text and its mask
+    split with the image) in test_fused_context_parallel.py."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     model, inputs = _model()
-    config = types.SimpleNamespace(context_parallel_config=types.SimpleNamespace(_world_size=1))
+    config = object()
     for block in model.transformer_blocks:
-        block.attn.processor._parallel_config = config
-    with torchpatches.disabled(*FUSED), pytest.raises(AttributeError, match="ring_degree") as ref:
-        run(model, inputs)
-    with exact(), pytest.raises(AttributeError, match="ring_degree") as got:
-        run(model, inputs)
-    assert str(got.value) == str(ref.value)
-    assert calls["qk_norm_rope"] == 0 and calls["modulate"] == 2  # block 0's norm1 ran before the attention
+        monkeypatch.setattr(block.attn.processor, "_parallel_config", config, raising=False)
+    name, real = _AttentionBackendRegistry.get_active_backend()
+    seen: list = []
+
+    def recording(*args: Any, _parallel_config: Any = None, **kwargs: Any) -> torch.Tensor:
+        mask = kwargs.get("attn_mask")
+        seen.append((_parallel_config, None if mask is None else mask.clone()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(_AttentionBackendRegistry._backends, name, recording)
+    ref = reverted(model, inputs)
+    with exact():
+        out = run(model, inputs)
+    assert same(out, ref, "qwenimage") and dict(calls) == EXPECTED
+    assert len(seen) == 4 and all(c is config for c, _ in seen)  # 2 blocks, diffusers' processor then the patched
+    for (_, theirs), (_, ours) in zip(seen[:2], seen[2:]):
+        assert theirs is not None and torch.equal(ours, theirs)  # the padded text's joint mask
 
 
 def test_subclasses_get_their_own_code(calls: Dict[str, int]) -> None:

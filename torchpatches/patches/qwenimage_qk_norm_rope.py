@@ -21,9 +21,12 @@ What the patch changes
     ``torch.jit.trace``, forward AD and functorch transforms, gradients, autocast, an external
     ``attention_mask`` or no text stream (diffusers raises), no rotary embedding or one that is not two
     complex64 tables of the streams' lengths, q/k norms that are not stock diffusers ``RMSNorm`` with a
-    weight of the activations' dtype and no bias, hooked norms, context-parallel configs
-    (``_parallel_config``), a replaced global of the processor (``apply_rotary_emb_qwen``,
-    ``dispatch_attention_fn``) or of ``RMSNorm.forward`` / ``torch.cat``, tensor subclasses, CPU tensors.
+    weight of the activations' dtype and no bias, hooked norms, a replaced global of the processor
+    (``apply_rotary_emb_qwen``, ``dispatch_attention_fn``) or of ``RMSNorm.forward`` / ``torch.cat``, tensor
+    subclasses, CPU tensors. Under diffusers' context parallelism (a processor with a ``_parallel_config``,
+    since issue 17 round 10) the stretch runs on the rank's shard: the image and text streams, their rotary
+    tables and the text mask are split alike by diffusers' plan, every step of the stretch is per token, and the
+    attention call gets diffusers' arguments (the config, the joint mask).
 
 Tolerance
     Bit-identical to diffusers with the PyTorch tier (CPU); the Triton kernel rounds at the same points,
@@ -93,7 +96,7 @@ def _mask_fits(mask: Any, hidden_states: torch.Tensor, encoder_hidden_states: to
     )
 
 
-def _covered(processor: Any, attn: Any, hidden_states: Any, encoder_hidden_states: Any, mask: Any,
+def _covered(attn: Any, hidden_states: Any, encoder_hidden_states: Any, mask: Any,
              attention_mask: Any, image_rotary_emb: Any) -> bool:
     return (
         encoder_hidden_states is not None
@@ -104,7 +107,6 @@ def _covered(processor: Any, attn: Any, hidden_states: Any, encoder_hidden_state
         and type(encoder_hidden_states) is torch.Tensor
         and hidden_states.dim() == 3
         and encoder_hidden_states.dim() == 3
-        and getattr(processor, "_parallel_config", None) is None
         and _mask_fits(mask, hidden_states, encoder_hidden_states)
     )
 
@@ -154,7 +156,7 @@ def _diffusers_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any, modul
 
 def _processor(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
                attention_mask=None, image_rotary_emb=None):
-    if not _covered(self, attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
+    if not _covered(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, attention_mask,
                     image_rotary_emb):
         return FALLBACK
     module = sys.modules[_QWEN]
