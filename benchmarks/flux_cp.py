@@ -1,7 +1,8 @@
 """FLUX under diffusers' context parallelism, a process per GPU: vanilla vs ``import torchpatches`` (issue 17, goal 6).
 
 Per model (FLUX.1-dev dims, and FLUX.2's 2 + 12 blocks with ``--models flux1,flux2``, 1024x1024; ``wan``: Wan2.1-T2V-14B
-widths, 4 of 40 blocks, 480x832x81; random bf16 weights, batch 1, the same seeded inputs on every rank):
+widths, 4 of 40 blocks, 480x832x81; ``qwenimage``: Qwen-Image widths, 6 of 60 blocks, 1024x1024 and 256 masked text
+tokens; random bf16 weights, batch 1, the same seeded inputs on every rank):
 
   one-gpu   each rank runs the whole model alone on its GPU (no collectives): the single-GPU reference on this host
   ulysses   a fresh model with ``enable_parallelism(config=ContextParallelConfig(ulysses_degree=N))``, the default
@@ -52,9 +53,12 @@ from _bench import profile, rel_err, save_json, state, time_back_to_back, time_s
 from _dit_models import SPECS  # noqa: E402
 from flux_fused import CONFIGS, TINY, build, inputs  # noqa: E402
 
-#: Models measured: FLUX.1 / FLUX.2 (flux_fused.py's configs) and Wan2.1-T2V-14B's widths, 4 of 40 blocks, 480x832x81
-#: (_dit_models.py; the CPU smoke run takes the harness's tiny Wan).
-MODELS = (*CONFIGS, "wan")
+#: Models measured: FLUX.1 / FLUX.2 (flux_fused.py's configs), Wan2.1-T2V-14B's widths, 4 of 40 blocks, 480x832x81,
+#: and Qwen-Image's, 6 of 60 blocks (_dit_models.py; the CPU smoke run takes the harness's tiny models).
+MODELS = (*CONFIGS, "wan", "qwenimage")
+#: Qwen-Image at 1024x1024 (64 x 64 = 4,096 packed tokens; the pipeline's default 1328x1328 gives 6,889, which
+#: diffusers' equal-size sharder cannot split in two), 256 text tokens of which 230 valid, as _dit_models.py.
+QWEN_SIDE = 64
 
 #: mode -> (ContextParallelConfig's degree argument, attention backend on CUDA, on CPU)
 MODES = {"ulysses": ("ulysses_degree", None, None), "ring": ("ring_degree", "_native_cudnn", "_native_flash")}
@@ -88,26 +92,30 @@ def cpu_stand_ins(device: torch.device) -> Iterator[None]:
 
 
 def model_config(name: str, tiny: bool) -> Dict[str, Any]:
-    if name == "wan":
+    if name not in CONFIGS:
         from torchpatches._harness.models import CONFIGS as HARNESS
 
-        return dict(HARNESS["wan-fused"][1]) if tiny else dict(SPECS["wan"].config)
+        return dict(HARNESS[f"{name}-fused"][1]) if tiny else dict(SPECS[name].config)
     return (TINY if tiny else CONFIGS)[name]
 
 
 def model_inputs(name: str, config: Dict[str, Any], tiny: bool, device: torch.device,
                  dtype: torch.dtype) -> Dict[str, Any]:
     """The model's inputs as its pipeline passes them, drawn from a seeded CPU generator (equal on every rank)."""
-    if name != "wan":
+    if name in CONFIGS:
         side, text = (64, 8) if tiny else (1024, 512)
         return inputs(name, config, side, text, device, dtype)
     if tiny:
         from torchpatches._harness import tiny_inputs
 
-        return tiny_inputs("wan-fused", dtype=dtype, device=device)
+        return tiny_inputs(f"{name}-fused", dtype=dtype, device=device)
     generator = torch.Generator(device="cpu").manual_seed(1)
-    return SPECS["wan"].inputs(config, lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype),
-                               device, dtype)
+    feed = SPECS[name].inputs(config, lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype),
+                              device, dtype)
+    if name == "qwenimage":
+        feed.update(hidden_states=feed["hidden_states"][:, : QWEN_SIDE * QWEN_SIDE].contiguous(),
+                    img_shapes=[[(1, QWEN_SIDE, QWEN_SIDE)]])
+    return feed
 
 
 def parallel_model(name: str, mode: str, args: argparse.Namespace, device: torch.device,
@@ -152,7 +160,7 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
                     if round_ == 0:
                         rows[variant]["output"] = step()[0].float().cpu()
                         if args.profile and device.type == "cuda":
-                            rows[variant]["profile"] = {k: v for k, v in profile(step).items() if k != "top"}
+                            rows[variant]["profile"] = profile(step)  # "top": the 30 longest kernels (JSON)
         if args.host_profile:
             from host_profile import profile_steps
 
@@ -265,7 +273,7 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="flux1", help="comma-separated: flux1, flux2, wan")
+    p.add_argument("--models", default="flux1", help="comma-separated: flux1, flux2, wan, qwenimage")
     p.add_argument("--modes", default="ulysses,ring", help="comma-separated: ulysses, ring")
     p.add_argument("--variants", default="vanilla,all",
                    help="comma-separated _bench.state variants, vanilla first (vanilla, all, -PATCH, ...)")

@@ -4,7 +4,8 @@
 # .whl/ (diffusers 0.42.1 + importlib_metadata wheels) carried into the repo root. FLUX.1-dev with the graphed
 # variants and rank 0's profiles, then FLUX.2; each setting's rows are printed and saved as soon as they exist, so
 # a run stopped by its timeout keeps what it finished. Writes cp-flux1.json, cp-flux2.json and their logs under $OUT.
-# FLUX1_ARGS replaces flux1's extra arguments, FLUX2_S=0 skips FLUX.2; further arguments go to both.
+# FLUX1_ARGS replaces flux1's extra arguments, FLUX2_ARGS gives FLUX.2 its own; FLUX1_S=0 / FLUX2_S=0 skips a model;
+# further arguments go to both.
 # NVLink multicast stays off (the machine's NCCL_NVLS_ENABLE=0 etc. are inherited by every rank).
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -22,5 +23,5 @@ run_cp() {  # model seconds [args]
     grep -vE "^\[?W[0-9]|experimental|FutureWarning|funcol|wait_tensor|before the output|^[12]\. |^\*+$|OMP_NUM" \
         "$OUT/cp-$model.log" | tail -40
 }
-run_cp flux1 "${FLUX1_S:-330}" ${FLUX1_ARGS:---graphed --profile} "$@"
-[ "${FLUX2_S:-170}" = 0 ] || run_cp flux2 "${FLUX2_S:-170}" "$@"
+[ "${FLUX1_S:-330}" = 0 ] || run_cp flux1 "${FLUX1_S:-330}" ${FLUX1_ARGS:---graphed --profile} "$@"
+[ "${FLUX2_S:-170}" = 0 ] || run_cp flux2 "${FLUX2_S:-170}" ${FLUX2_ARGS:-} "$@"
