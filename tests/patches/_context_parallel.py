@@ -54,11 +54,11 @@ MODELS = ("flux1", "flux2", "wan", "qwenimage")
 NOT_RUN = {
     **{("wan", case): "wan's tiny inputs have no text-token option: evenly split cases only"
        for case in ("ulysses-uneven", "ring-uneven")},
-    **{("qwenimage", case): "qwenimage's tiny inputs have no text-token option: evenly split cases only"
-       for case in ("ulysses-uneven", "ring-uneven")},
-    # QwenImage's processor always builds a joint attention mask from the text mask; the CPU ring backend
-    # (_native_flash, the one that returns the log-sum-exp there) raises for any attn_mask.
+    # QwenImage's processor always builds a joint attention mask from the text mask: the CPU ring backend
+    # (_native_flash, the one that returns the log-sum-exp there) raises for any attn_mask, and diffusers'
+    # TemplatedRingAnythingAttention refuses one.
     ("qwenimage", "ring"): "qwenimage passes an attention mask, which the CPU ring backend (_native_flash) refuses",
+    ("qwenimage", "ring-uneven"): "qwenimage passes an attention mask, which diffusers' ring_anything refuses",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Patches applied in the patched run (and reverted in the unpatched one) besides the fused patterns.
@@ -174,7 +174,9 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
     model.set_attention_backend(backend or "native")
     with torch.no_grad(), torchpatches.disabled(*FUSED, *EXTRA):
         single = model(**inputs, return_dict=False)[0]
-    plan = None if gathered else {"": model._cp_plan[""]}  # gloo cannot gather uneven shards
+    # gloo cannot gather uneven shards: their plan leaves out the output gather
+    plan = None if gathered else {key: entry for key, entry in model._cp_plan.items()
+                                  if type(entry).__name__ != "ContextParallelOutput"}
     with _one_device():
         model.enable_parallelism(config=ContextParallelConfig(**config_args), cp_plan=plan)
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]

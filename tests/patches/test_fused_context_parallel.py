@@ -1,16 +1,17 @@
-"""The fused patterns under diffusers' context parallelism: two CPU ranks (gloo), tiny FLUX.1 / FLUX.2 / Wan / QwenImage.
+"""The fused patterns under diffusers' context parallelism: two CPU ranks (gloo), tiny FLUX.1 / FLUX.2 / Wan /
+QwenImage.
 
 ``model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))`` and ``ring_degree=2``, even and uneven
-shards (``ulysses_anything`` / ``ring_anything``; FLUX only; QwenImage Ulysses only), fp32 and bf16, the PyTorch tier forced so the fused
-glue runs on CPU: on each rank the output equals, bit for bit, the same model's with every fused pattern (and
-``rope``, ``cp_all_to_all``, ``cp_ring_attention``) reverted. The fused block / norm / activation patterns and the
-processors' q/k stretch ran on that rank's shard of the sequence, the processors passing diffusers' attention call
-what diffusers' processors pass (their ``_parallel_config``; Wan's cross-attention none; QwenImage's joint text
-mask, split with the text, two of its tokens masked); Ulysses' all-to-alls went
-through c10d (``cp_all_to_all``), also in the backward of a training step, and so did ring attention's key/value
-gathers (``cp_ring_attention``), whose forward leaves diffusers' own ring backward what it reads (output and input
-gradient of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what
-the ranks supply, is in ``_context_parallel.py``.
+shards (``ulysses_anything`` / ``ring_anything``; not Wan; QwenImage Ulysses only: ``NOT_RUN`` says why), fp32 and
+bf16, the PyTorch tier forced so the fused glue runs on CPU: on each rank the output equals, bit for bit, the same
+model's with every fused pattern (and ``rope``, ``cp_all_to_all``, ``cp_ring_attention``) reverted. The fused block /
+norm / activation patterns and the processors' q/k stretch ran on that rank's shard of the sequence, the processors
+passing diffusers' attention call what diffusers' processors pass (their ``_parallel_config``; Wan's cross-attention
+none; QwenImage's joint text mask, split with the text, two of its tokens masked); Ulysses' all-to-alls went through
+c10d (``cp_all_to_all``), also in the backward of a training step, and so did ring attention's key/value gathers
+(``cp_ring_attention``), whose forward leaves diffusers' own ring backward what it reads (output and input gradient
+of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what the ranks
+supply, is in ``_context_parallel.py``.
 
 One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not
 depend on torch's release, so one session of the matrix runs it (marker ``once``: tests-2.13.0).
@@ -38,10 +39,10 @@ pytestmark = [
 ]
 
 #: Fused op calls per forward under context parallelism, the same as without it: tiny FLUX (1 double + 2 single
-#: blocks), Wan (2 blocks, each a self- and a cross-attention) and QwenImage (2 double-stream blocks). The attention processors run the fused q/k
-#: stretch on the rank's shard and hand diffusers' attention call what diffusers' processor does (FLUX: its
-#: ``_parallel_config``; Wan: that in self-attention, none in cross-attention); FLUX.2's single-block processor also
-#: writes its SwiGLU into to_out's buffer.
+#: blocks), Wan (2 blocks, each a self- and a cross-attention) and QwenImage (2 double-stream blocks). The attention
+#: processors run the fused q/k stretch on the rank's shard and hand diffusers' attention call what diffusers'
+#: processor does (FLUX: its ``_parallel_config``; Wan: that in self-attention, none in cross-attention); FLUX.2's
+#: single-block processor also writes its SwiGLU into to_out's buffer.
 EXPECTED = {
     "flux1": {"modulate": 11, "qk_norm_rope": 3, "rms_norm_rope": 0, "swiglu": 0, "slices": 4},
     "flux2": {"modulate": 11, "qk_norm_rope": 3, "rms_norm_rope": 0, "swiglu": 4, "slices": 2},
@@ -81,9 +82,10 @@ def functional_all_gather(case: str, which: str) -> List[int]:
 GRAD_FUNCTIONAL = {"ulysses": [[24, 1], [0, 1]], "ring": [[6, 7], [6, 4]]}
 #: Tokens per rank that the fused ops saw. FLUX (image + text, and each stream alone): even 16 + 8 -> 8 + 4; uneven
 #: 9 + 7 -> 5 + 4 / 4 + 3. Wan: 32 video tokens -> 16 (the cross-attention's text keys are not split). QwenImage:
-#: 16 image + 8 text -> 8 + 4 (the op takes both streams; the 2 masked text tokens are rank 1's).
+#: 16 image + 8 text -> 8 + 4 (the op takes both streams; the 2 masked text tokens are rank 1's); uneven 9 + 7 ->
+#: 5 + 4 / 4 + 3.
 TOKENS = {("flux", True): [[4, 8, 12], [4, 8, 12]], ("flux", False): [[4, 5, 9], [3, 4, 7]],
-          ("wan", True): [[16], [16]], ("qwenimage", True): [[4, 8], [4, 8]]}
+          ("wan", True): [[16], [16]], ("qwenimage", True): [[4, 8], [4, 8]], ("qwenimage", False): [[4, 5], [3, 4]]}
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> List[Dict[str, Any]]:

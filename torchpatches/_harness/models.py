@@ -221,17 +221,21 @@ def _sd3_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], devi
 
 
 def _qwenimage_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
-                      dtype: torch.dtype, mixed_sizes: bool = False, text_padding: int = 0) -> Dict[str, Any]:
+                      dtype: torch.dtype, mixed_sizes: bool = False, text_padding: int = 0, side: int = 4,
+                      text_tokens: int = 8) -> Dict[str, Any]:
     """``mixed_sizes``: a batch of two images of different sizes (4x4 and 2x8 latent patches), which
     QwenImage's RoPE does not support and warns about (using the first image's size for both).
-    ``text_padding``: the last text tokens masked out (0 in ``encoder_hidden_states_mask``)."""
+    ``text_padding``: the last text tokens masked out (0 in ``encoder_hidden_states_mask``). ``side`` x ``side``
+    latent patches and ``text_tokens`` text tokens otherwise (odd counts: shards of unequal size under context
+    parallelism)."""
     batch = 2 if mixed_sizes else 1
-    shapes = [[(1, 4, 4)], [(1, 2, 8)]] if mixed_sizes else [[(1, 4, 4)]]
-    mask = torch.ones(batch, 8, dtype=torch.long, device=device)
-    mask[:, 8 - text_padding:] = 0
-    return dict(hidden_states=randn(batch, 16, 16), encoder_hidden_states=randn(batch, 8, 32),
-                encoder_hidden_states_mask=mask,
-                timestep=torch.full((batch,), 0.5, device=device, dtype=dtype), img_shapes=shapes, return_dict=False)
+    shapes = [[(1, 4, 4)], [(1, 2, 8)]] if mixed_sizes else [[(1, side, side)]]
+    mask = torch.ones(batch, text_tokens, dtype=torch.long, device=device)
+    mask[:, text_tokens - text_padding:] = 0
+    return dict(hidden_states=randn(batch, 16 if mixed_sizes else side * side, 16),
+                encoder_hidden_states=randn(batch, text_tokens, 32), encoder_hidden_states_mask=mask,
+                timestep=torch.full((batch,), 0.5, device=device, dtype=dtype), img_shapes=shapes,
+                return_dict=False)
 
 
 def _wan_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
