@@ -14,6 +14,7 @@ step through diffusers' own backward, run in ``test_fused_context_parallel.py``.
 """
 from __future__ import annotations
 
+import os
 import types
 import warnings
 from typing import Any, List
@@ -49,13 +50,24 @@ def gathers(monkeypatch: pytest.MonkeyPatch) -> List[int]:
     return counted_calls(monkeypatch, funcol, "all_gather_tensor")
 
 
+#: Where the emulated-rank tests run (the gloo group's tests stay on the CPU): ``TORCHPATCHES_TEST_DEVICE=cuda`` puts
+#: them on the GPU, where the merge is ``lse_merge``'s compiled Triton kernel.
+DEVICE = torch.device("cuda" if os.environ.get("TORCHPATCHES_TEST_DEVICE") == "cuda" else "cpu")
+
+
 def _attention_with_lse(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
                         dropout_p: float, is_causal: bool, scale: Any, enable_gqa: bool, return_lse: bool,
                         _save_ctx: bool = True, _parallel_config: Any = None) -> Any:
-    """A forward op of diffusers' template ([B, S, H, D] in and out, the log-sum-exp [B, S, H]) that runs on CPU."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), dropout_p, is_causal, scale=scale)
-    return out.transpose(1, 2), lse.transpose(1, 2)
+    """A forward op of diffusers' template ([B, S, H, D] in and out, the log-sum-exp [B, S, H]): torch's CPU flash
+    kernel, and on a GPU the same attention written out (its output a strided view, as some backends return)."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal,
+                                                                              scale=scale)
+        return out.transpose(1, 2), lse.transpose(1, 2)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    out = (scores.softmax(-1) @ v.float()).to(query.dtype)
+    return out.transpose(1, 2), scores.logsumexp(-1).transpose(1, 2)
 
 
 def _config(group: Any) -> Any:
@@ -182,7 +194,8 @@ def _emulated_ranks(ring: Any, monkeypatch: pytest.MonkeyPatch, ranks: int, dtyp
     ``all_gather_into_tensor`` on a torch before 2.13) and the functional one both give every rank's buffer in
     rank order."""
     generator = torch.Generator().manual_seed(ranks)
-    inputs = [[torch.randn(1, 6, 2, 8, generator=generator).to(dtype) for _ in range(3)] for _ in range(ranks)]
+    inputs = [[torch.randn(1, 6, 2, 8, generator=generator).to(DEVICE, dtype) for _ in range(3)]
+              for _ in range(ranks)]
     buffers = [_kv_buffer(*qkv[1:]) for qkv in inputs]
     seen: List[Any] = []
 
@@ -213,16 +226,24 @@ def _same_as_the_original(got: Any, expected: Any) -> None:
     assert torch.equal(got[2].ring_out, expected[2].ring_out) and torch.equal(got[2].ring_lse, expected[2].ring_lse)
 
 
+class _Merges(list):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiers: List[str] = []
+
+
 @pytest.fixture
 def merges(monkeypatch: pytest.MonkeyPatch) -> List[Any]:
-    """The ``out_dtype`` of every ``lse_merge`` call the patched forward makes (its body, whichever tier)."""
+    """The ``out_dtype`` of every ``lse_merge`` call the patched forward makes (its body, whichever tier), and in
+    ``merges.tiers`` the tier each ran."""
     from torchpatches.ops import lse_merge as op
 
-    calls: List[Any] = []
+    calls = _Merges()
     real = op._impl
 
     def counted(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any, out_dtype: torch.dtype, tier: str) -> Any:
         calls.append(out_dtype)
+        calls.tiers.append(tier)
         return real(out_a, lse_a, out_b, lse_b, out_dtype, tier)
 
     monkeypatch.setattr(op, "_impl", counted)
@@ -235,8 +256,8 @@ def test_two_ranks_merge_the_gathered_keys_and_values_as_the_original(ring: Any,
                                                                      merges: List[Any], dtype: torch.dtype,
                                                                      torch_release: str) -> None:
     """The ring loop reads the other rank's chunk of the c10d gather and merges the log-sum-exps in one
-    ``lse_merge`` call (PyTorch tier on CPU: diffusers' ops); output, log-sum-exp and what the forward leaves on
-    ``ctx`` equal the original's; the gather is asked for twice the buffer."""
+    ``lse_merge`` call (PyTorch tier on CPU: diffusers' ops; on a GPU the Triton kernel); output, log-sum-exp and
+    what the forward leaves on ``ctx`` equal the original's; the gather is asked for twice the buffer."""
     world = _emulated_ranks(ring, monkeypatch, 2, dtype, torch_release)
     for rank in range(2):
         config = _rank_config(rank, world.group)
@@ -244,17 +265,26 @@ def test_two_ranks_merge_the_gathered_keys_and_values_as_the_original(ring: Any,
                               _ring_call(world.original, world.inputs[rank], config))
     assert world.seen == [(torch.Size([2 * world.buffers[0].numel()]), dtype, world.group)] * 2
     assert merges == [dtype, dtype]  # one merge per rank, writing the query's dtype
+    assert merges.tiers == ["triton" if DEVICE.type == "cuda" else "torch"] * 2  # the automatic tier
 
 
-@pytest.mark.parametrize("case", ["three ranks", "trailing lse dim", "no fp32 merge", "one rank"])
+def _bf16_out(*args: Any, **kwargs: Any) -> Any:
+    """A backend whose output is bf16 and log-sum-exp fp32 whatever the query's dtype (the forward casts the output
+    back to the query's)."""
+    out, lse = _attention_with_lse(*args, **kwargs)
+    return out.to(torch.bfloat16), lse.float()
+
+
+@pytest.mark.parametrize("case", ["three ranks", "trailing lse dim", "no fp32 merge", "one rank", "float64 query"])
 def test_the_ring_merges_as_the_original_in_every_form(ring: Any, monkeypatch: pytest.MonkeyPatch,
                                                        merges: List[Any], case: str) -> None:
     """Three ranks: two merges, the first one's result fp32 (as diffusers' running output), the last in the
-    query's dtype. A backend with a ``[B, S, H, 1]`` log-sum-exp: fused too. ``convert_to_fp32=False`` and one
-    rank: diffusers' own merge (no ``lse_merge`` call). Every case bit-equal to the original."""
+    query's dtype. A backend with a ``[B, S, H, 1]`` log-sum-exp: fused too. ``convert_to_fp32=False``, one rank, and
+    a query of a dtype ``lse_merge`` does not write (float64, a bf16 output from the backend): diffusers' own merge
+    (no ``lse_merge`` call). Every case bit-equal to the original."""
     ranks = {"three ranks": 3, "one rank": 1}.get(case, 2)
-    world = _emulated_ranks(ring, monkeypatch, ranks, torch.bfloat16)
-    op = _with_trailing_lse if case == "trailing lse dim" else _attention_with_lse
+    world = _emulated_ranks(ring, monkeypatch, ranks, torch.float64 if case == "float64 query" else torch.bfloat16)
+    op = {"trailing lse dim": _with_trailing_lse, "float64 query": _bf16_out}.get(case, _attention_with_lse)
     for rank in range(ranks):
         config = _rank_config(rank, world.group, convert_to_fp32=case != "no fp32 merge")
         _same_as_the_original(_ring_call(world.patched, world.inputs[rank], config, op),
@@ -280,7 +310,7 @@ def test_the_kernel_merge_inside_the_ring_is_the_original_within_fp32_rounding(
         torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(got[1], expected[1], rtol=1e-6, atol=1e-6)
         assert torch.equal(got[2].ring_out, got[0]) and torch.equal(got[2].ring_lse, got[1])
-    assert len(merges) == 6
+    assert len(merges) == 6 and merges.tiers == ["triton"] * 6
 
 
 def test_the_predicate_refuses_a_coalescing_group(group: Any) -> None:

@@ -11,7 +11,9 @@ does with ``convert_to_fp32`` (each step one torch op there, rounded to fp32 bef
 
 ``out`` is rounded once to the output dtype (a cast, as ``out.to(query.dtype)``). On CUDA the quotient,
 ``exp`` and ``log1p`` are libdevice's ``__fdiv_rn``, ``expf`` and ``log1pf``, the functions torch's kernels call,
-so the result is torch's bit for bit; the CPU interpreter has numpy's (tests compare it within a tolerance).
+so the result is torch's bit for bit where no fp32 intermediate is subnormal (Triton links libdevice with
+subnormals flushed to zero; ``lse_merge.py`` says where that shows); the CPU interpreter has numpy's (tests compare
+it within a tolerance).
 
 This module imports triton: import it only when the Triton tier is used.
 """
@@ -53,7 +55,7 @@ def launch(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b:
            out: torch.Tensor, lse: torch.Tensor) -> None:
     """All contiguous; the outputs ``[R, D]`` / ``[R]`` flattened, ``lse`` fp32."""
     R, D = lse.numel(), out.shape[-1]
-    if R * D == 0:
+    if R == 0:  # with D == 0 the log-sum-exps are still merged
         return
     block_d = max(16, next_pow2(D))
     block_r = max(1, _TILE // block_d)

@@ -19,8 +19,12 @@ casts, five for ``out``, three for ``lse``, the final cast); the kernel reads ea
 each output once.
 
 Numerics: the PyTorch tier is diffusers' code. The Triton tier computes the same fp32 steps with the
-functions torch's CUDA kernels call (``_lse_merge_triton``): bit-identical on CUDA; under the CPU
-interpreter (numpy's ``exp`` / ``log``) within a few fp32 ulps.
+functions torch's CUDA kernels call (``_lse_merge_triton``): bit-identical on CUDA, except that Triton links
+libdevice flushing fp32 subnormals to zero, which torch's kernels do not. That shows only where the two
+log-sum-exps are about 80 to 103 apart (sigmoid's weight, its product with ``out_a - out_b``, or
+``exp(-|lse_a - lse_b|)`` subnormal) and the output or log-sum-exp is itself about zero: there the result is off by
+less than 2^-124 (``benchmarks/lse_merge_edges.py`` and the CUDA test measure it on an H200: at most 3.5e-38).
+Under the CPU interpreter (numpy's ``exp`` / ``log``) within a few fp32 ulps.
 
 Tiers (``_tiers``): Triton on CUDA for head dims up to 8192, PyTorch elsewhere and for every call autograd
 records (``tier="triton"`` then raises ``ValueError``). Traced, the call is one ``torchpatches::lse_merge``
@@ -48,7 +52,8 @@ def _torch_tier(out_a, lse_a, out_b, lse_b, out_dtype) -> list[torch.Tensor]:
     prev_lse, lse = lse_a.to(torch.float32).unsqueeze(-1), lse_b.to(torch.float32).unsqueeze(-1)
     out = prev_out - F.sigmoid(lse - prev_lse) * (prev_out - out)
     lse = prev_lse - F.logsigmoid(prev_lse - lse)
-    return [out.to(out_dtype), lse.squeeze(-1)]
+    # contiguous as the Triton tier's and the fake's (the inputs may be views)
+    return [out.to(out_dtype).contiguous(), lse.squeeze(-1).contiguous()]
 
 
 def _impl(out_a, lse_a, out_b, lse_b, out_dtype, tier) -> list[torch.Tensor]:

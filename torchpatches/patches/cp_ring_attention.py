@@ -29,9 +29,10 @@ What the patch changes
       collective's (data movement only), ordered on the current stream before anything that reads them, and a
       plain tensor, so the views and the attention call that follow are plain torch calls;
     - with ``convert_to_fp32`` each merge is one ``ops.lse_merge`` call (its Triton tier on CUDA computes
-      diffusers' fp32 steps with the functions torch's kernels call: bit-identical; its PyTorch tier elsewhere
-      is diffusers' code). The first partial output is read in the backend's dtype (its fp32 copy is exact),
-      the last merge writes the query's dtype (the final cast's rounding).
+      diffusers' fp32 steps with the functions torch's kernels call: bit-identical but where an fp32
+      intermediate is subnormal, see ``ops/lse_merge.py``; its PyTorch tier elsewhere is diffusers' code).
+      The first partial output is read in the backend's dtype (its fp32 copy is exact), the last merge writes
+      the query's dtype (the final cast's rounding).
 
     Everything else (the ring loop, what the forward leaves on ``ctx`` for diffusers' unchanged backward) is the
     original's. The original forward runs under torch.compile (Dynamo traces the functional collective) and
@@ -40,7 +41,8 @@ What the patch changes
     ``ProcessGroup``, a Python torch-function or dispatch mode, complex or empty buffers, a
     ``_coalescing_manager`` block, CUDA-graph capture); diffusers' merge runs without ``convert_to_fp32``, for
     one rank, and for results whose log-sum-exp is not ``[B, S, H]`` (or ``[B, S, H, 1]``) plain float tensors
-    of the output's device. The backward, ``TemplatedRingAnythingAttention`` (uneven shards) and the output
+    of the output's device, or a query of another dtype. Under a Python dispatch mode the merge is still a kernel
+    launch, as the other fused ops' are. The backward, ``TemplatedRingAnythingAttention`` (uneven shards) and the output
     gather of diffusers' hooks are not touched.
 
 Versions
@@ -68,11 +70,12 @@ from ._direct_collectives import direct_fits, distributed_missing
 __all__ = ["PATCH"]
 
 
-def _merge_fits(out: Any, lse: Any) -> bool:
-    """What ``lse_merge`` takes: plain float tensors on one device, ``lse`` of ``out``'s rows (a trailing 1 or not)."""
+def _merge_fits(out: Any, lse: Any, query: torch.Tensor) -> bool:
+    """What ``lse_merge`` takes: plain float tensors on one device, ``lse`` of ``out``'s rows (a trailing 1 or not),
+    and a query dtype it can write (the last merge's output dtype)."""
     return (type(out) is torch.Tensor and type(lse) is torch.Tensor and out.dtype in FLOAT_DTYPES
-            and lse.dtype in FLOAT_DTYPES and out.device == lse.device and out.dim() >= 1
-            and (lse.shape == out.shape[:-1] or lse.shape == (*out.shape[:-1], 1)))
+            and lse.dtype in FLOAT_DTYPES and query.dtype in FLOAT_DTYPES and out.device == lse.device
+            and out.dim() >= 1 and (lse.shape == out.shape[:-1] or lse.shape == (*out.shape[:-1], 1)))
 
 
 def _replacement(original: Any) -> staticmethod:
@@ -155,7 +158,7 @@ def _replacement(original: Any) -> staticmethod:
 
             if fused_merge is None:  # every step's result has the first one's shapes and dtypes
                 fused_merge = (world_size > 1 and _parallel_config.context_parallel_config.convert_to_fp32
-                               and _merge_fits(out, lse))
+                               and _merge_fits(out, lse, query))
             if fused_merge:
                 lse = lse.reshape(out.shape[:-1])
                 if prev_out is not None:
