@@ -15,9 +15,9 @@ What goes wrong upstream
       output gather hook makes the same call once per step, which this patch does not change.
     - The merge of each ring step's partial output into the running one (``convert_to_fp32``, the default) is
       about ten torch ops over fp32 copies of ``[B, S, H, D]``: two casts, five ops for the output, three for
-      the log-sum-exp, the final cast; per FLUX.1-dev ring step (two ranks) about 570 launches and some 350 MB of
-      memory traffic per attention call where one pass reads 2 x 14 MB and writes 14 MB (docs/fused.md, "Context
-      parallelism, round 10").
+      the log-sum-exp, the final cast. On two ranks of FLUX.1-dev that is some 350 MB of memory traffic per
+      attention call where one pass reads 2 x 14 MB and writes 14 MB, and about 570 launches per step
+      (docs/fused.md, "Context parallelism, round 10").
 
     No upstream issue as of diffusers 0.42.1.
 
@@ -42,8 +42,8 @@ What the patch changes
     ``_coalescing_manager`` block, CUDA-graph capture); diffusers' merge runs without ``convert_to_fp32``, for
     one rank, and for results whose log-sum-exp is not ``[B, S, H]`` (or ``[B, S, H, 1]``) plain float tensors
     of the output's device, or a query of another dtype. Under a Python dispatch mode the merge is still a kernel
-    launch, as the other fused ops' are. The backward, ``TemplatedRingAnythingAttention`` (uneven shards) and the output
-    gather of diffusers' hooks are not touched.
+    launch, as the other fused ops' are. The backward, ``TemplatedRingAnythingAttention`` (uneven shards) and the
+    output gather of diffusers' hooks are not touched.
 
 Versions
     diffusers 0.40 - 0.42: ``TemplatedRingAttention.forward`` fingerprinted in 0.40.0 (its source differs from
