@@ -1,4 +1,5 @@
-"""Where ``ops.lse_merge``'s Triton kernel and diffusers' torch merge differ on CUDA, by log-sum-exp gap.
+"""Where ``ops.lse_merge``'s Triton kernel and diffusers' torch merge (the op's PyTorch tier) differ on CUDA, by
+log-sum-exp gap.
 
 For gaps ``lse_b - lse_a`` from -120 to 120 (both signs: which partial dominates), ``out_a`` with every other token
 an exact zero (so a tiny weight is not lost against it) and random ``out_b``, fp32 out: per gap bucket the share of
@@ -15,16 +16,6 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
-
-
-def diffusers_merge(out_a, lse_a, out_b, lse_b):
-    # diffusers 0.42.1 TemplatedRingAttention.forward, convert_to_fp32, two steps
-    prev_out, prev_lse = out_a.float(), lse_a.float().unsqueeze(-1)
-    out, lse = out_b.float(), lse_b.float().unsqueeze(-1)
-    out = prev_out - F.sigmoid(lse - prev_lse) * (prev_out - out)
-    lse = prev_lse - F.logsigmoid(prev_lse - lse)
-    return out, lse.squeeze(-1)
 
 
 def bucket_rows(edges: List[float], tokens: int = 64, heads: int = 4, width: int = 128) -> List[Dict[str, Any]]:
@@ -42,7 +33,7 @@ def bucket_rows(edges: List[float], tokens: int = 64, heads: int = 4, width: int
         gap = torch.linspace(lo, hi, tokens, device="cuda")[None, :, None]
         lse_b = (lse_a + gap).contiguous()
         got = lse_merge(out_a, lse_a, out_b, lse_b, tier="triton")
-        want = diffusers_merge(out_a, lse_a, out_b, lse_b)
+        want = lse_merge(out_a, lse_a, out_b, lse_b, tier="torch")  # diffusers' code (tests/ops/test_lse_merge.py)
         row: Dict[str, Any] = {"gap_from": lo, "gap_to": hi}
         for name, x, w in zip(("out", "lse"), got, want):
             differ = x != w

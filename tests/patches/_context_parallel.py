@@ -158,6 +158,7 @@ def _count_functional_collectives(counts: Dict[str, Any]) -> None:
 def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
+    from diffusers.models._modeling_parallel import ContextParallelOutput
 
     import torchpatches
     from _fused_models import FUSED
@@ -176,7 +177,7 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
         single = model(**inputs, return_dict=False)[0]
     # gloo cannot gather uneven shards: their plan leaves out the output gather
     plan = None if gathered else {key: entry for key, entry in model._cp_plan.items()
-                                  if type(entry).__name__ != "ContextParallelOutput"}
+                                  if not isinstance(entry, ContextParallelOutput)}
     with _one_device():
         model.enable_parallelism(config=ContextParallelConfig(**config_args), cp_plan=plan)
     processors = [m.processor for m in model.modules() if hasattr(m, "processor")]

@@ -131,4 +131,4 @@ def test_a_training_step_gives_the_same_gradient(ranks: List[Dict[str, Any]], mo
     for rank, results in enumerate(ranks):
         got = results[f"{mode}-grad"]
         assert got == dict(equal=True, grad_equal=True, grad_nonzero=True, functional=GRAD_FUNCTIONAL[mode],
-                           merges=[0, 3 if mode == "ring" else 0]), (rank, got)
+                           merges=[0, PARALLEL_ATTENTION["flux1"] if mode == "ring" else 0]), (rank, got)

@@ -116,7 +116,7 @@ def lse_merge(
     grad = needs_grad(out_a, lse_a, out_b, lse_b)
     chosen = choose_tier(out_a.device.type, tier, grad)
     if chosen == "triton" and out_a.shape[-1] > MAX_TRITON_D:
-        if (tier or "") == "triton":
+        if tier == "triton":
             raise ValueError(f"tier='triton' serves rows of at most {MAX_TRITON_D} values, got {out_a.shape[-1]}")
         chosen = "torch"
     outs = _dispatch.run(out_a, grad, _impl, _lse_merge_op, out_a, lse_a, out_b, lse_b, out_dtype, chosen)
