@@ -60,8 +60,15 @@ MODELS = (*CONFIGS, "wan", "qwenimage")
 #: diffusers' equal-size sharder cannot split in two), 256 text tokens of which 230 valid, as _dit_models.py.
 QWEN_SIDE = 64
 
-#: mode -> (ContextParallelConfig's degree argument, attention backend on CUDA, on CPU)
-MODES = {"ulysses": ("ulysses_degree", None, None), "ring": ("ring_degree", "_native_cudnn", "_native_flash")}
+#: mode -> (ContextParallelConfig's arguments but the degree's value, attention backend on CUDA, on CPU). The
+#: "anything" modes are diffusers' uneven-shard forms (any sequence length; ``TemplatedUlyssesAnythingAttention`` /
+#: ``TemplatedRingAnythingAttention`` in every attention call, even where the shards are equal).
+MODES = {
+    "ulysses": ({"ulysses_degree": None}, None, None),
+    "ring": ({"ring_degree": None}, "_native_cudnn", "_native_flash"),
+    "ulysses_anything": ({"ulysses_degree": None, "ulysses_anything": True}, None, None),
+    "ring_anything": ({"ring_degree": None, "ring_anything": True}, "_native_cudnn", "_native_flash"),
+}
 
 
 def _barrier(device: torch.device) -> None:
@@ -100,7 +107,7 @@ def model_config(name: str, tiny: bool) -> Dict[str, Any]:
 
 
 def model_inputs(name: str, config: Dict[str, Any], tiny: bool, device: torch.device,
-                 dtype: torch.dtype) -> Dict[str, Any]:
+                 dtype: torch.dtype, qwen_side: int = 0) -> Dict[str, Any]:
     """The model's inputs as its pipeline passes them, drawn from a seeded CPU generator (equal on every rank)."""
     if name in CONFIGS:
         side, text = (64, 8) if tiny else (1024, 512)
@@ -113,8 +120,11 @@ def model_inputs(name: str, config: Dict[str, Any], tiny: bool, device: torch.de
     feed = SPECS[name].inputs(config, lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype),
                               device, dtype)
     if name == "qwenimage":
-        feed.update(hidden_states=feed["hidden_states"][:, : QWEN_SIDE * QWEN_SIDE].contiguous(),
-                    img_shapes=[[(1, QWEN_SIDE, QWEN_SIDE)]])
+        side = qwen_side or QWEN_SIDE
+        if side * side > feed["hidden_states"].shape[1]:
+            raise SystemExit(f"--qwen-side {side}: the spec's inputs have {feed['hidden_states'].shape[1]} tokens")
+        feed.update(hidden_states=feed["hidden_states"][:, : side * side].contiguous(),
+                    img_shapes=[[(1, side, side)]])
     return feed
 
 
@@ -122,12 +132,13 @@ def parallel_model(name: str, mode: str, args: argparse.Namespace, device: torch
                    dtype: torch.dtype) -> torch.nn.Module:
     from diffusers import ContextParallelConfig
 
-    degree_arg, cuda_backend, cpu_backend = MODES[mode]
+    config_args, cuda_backend, cpu_backend = MODES[mode]
     model = build(name, model_config(name, args.tiny), device, dtype)
     backend = cuda_backend if device.type == "cuda" else cpu_backend
     if backend is not None:
         model.set_attention_backend(backend)
-    model.enable_parallelism(config=ContextParallelConfig(**{degree_arg: dist.get_world_size()}))
+    model.enable_parallelism(config=ContextParallelConfig(
+        **{k: dist.get_world_size() if v is None else v for k, v in config_args.items()}))
     return model
 
 
@@ -208,7 +219,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, results
     """Each setting measured, gathered from every rank, printed and saved (rank 0) before the next one starts."""
     dtype = torch.float32 if args.tiny else torch.bfloat16
     config = model_config(name, args.tiny)
-    feed = model_inputs(name, config, args.tiny, device, dtype)  # seeded on the CPU: equal on every rank
+    # seeded on the CPU: equal on every rank
+    feed = model_inputs(name, config, args.tiny, device, dtype, args.qwen_side)
     entry = results.setdefault("models", {}).setdefault(name, {})
     reference = None
     for setting in (["one-gpu"] if args.one_gpu else []) + args.modes:
@@ -274,7 +286,12 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="flux1", help="comma-separated: flux1, flux2, wan, qwenimage")
-    p.add_argument("--modes", default="ulysses,ring", help="comma-separated: ulysses, ring")
+    p.add_argument("--modes", default="ulysses,ring",
+                   help="comma-separated: ulysses, ring, ulysses_anything, ring_anything")
+    p.add_argument("--qwen-side", type=int, default=0, metavar="N",
+                   help=f"qwenimage: N x N packed image tokens (default {QWEN_SIDE}; the pipeline's 1328x1328 is 83)")
+    p.add_argument("--backend", default="nccl",
+                   help="init_process_group's backend on CUDA (e.g. 'cpu:gloo,cuda:nccl', as diffusers' run command)")
     p.add_argument("--variants", default="vanilla,all",
                    help="comma-separated _bench.state variants, vanilla first (vanilla, all, -PATCH, ...)")
     p.add_argument("--no-one-gpu", dest="one_gpu", action="store_false",
@@ -310,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cpu") if args.tiny else torch.device("cuda", local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group(args.backend, device_id=device)
     else:
         dist.init_process_group("gloo")
     import torchpatches  # noqa: F401  (applies every eligible patch, as a user's import does)

@@ -406,6 +406,66 @@ def test_failed_capture_warns_once_then_eager(net: Net) -> None:
     assert w.info()[:3] == (0, 0, 2) and w._backend.warmups == 2
 
 
+class AllocatorPools(Replaying):
+    """``Replaying`` with the CUDA caching allocator's rule for a graph's private pool: a capture takes the pool (its
+    use count + 1, a new pool at 1), a graph gives it back when dropped, a failed capture at once; capturing into a
+    pool whose count fell to 0 fails (``TORCH_INTERNAL_ASSERT(it->second->use_count > 0)``). ``failing``: which
+    captures (0, 1, ...) fail."""
+
+    def __init__(self, failing: Tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.failing, self.attempts, self.pools, self.uses = failing, 0, 0, {}
+
+    def pool(self, device: torch.device) -> Any:
+        self.pools += 1
+        return ("pool", self.pools)
+
+    def capture(self, run: Callable[[], Any], device: torch.device, pool: Any, warmup: int
+                ) -> Tuple[Callable[[], None], Any]:
+        gc.collect()  # graphs the wrapper dropped are gone, as CUDAGraph's destructor runs at once
+        if self.uses.get(pool, 1) == 0:
+            raise CaptureFailed("RuntimeError: it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        self.uses[pool] = self.uses.get(pool, 0) + 1
+        attempt, self.attempts = self.attempts, self.attempts + 1
+        if attempt in self.failing:
+            self.uses[pool] -= 1
+            raise CaptureFailed("RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+        replay, output = super().capture(run, device, pool, warmup)
+        weakref.finalize(replay, self.uses.__setitem__, pool, self.uses[pool] - 1)
+        return replay, output
+
+
+@pytest.mark.parametrize("case", ["first capture failed", "last graph evicted", "reset"])
+def test_a_pool_whose_graphs_are_gone_is_not_captured_into_again(net: Net, case: str) -> None:
+    """A signature that cannot be captured (or an eviction, a reset) must not cost later signatures their graphs:
+    the wrapper takes a new pool once no graph of the old one is held (round 10's QwenImage run hit the allocator's
+    assert in every capture after one failed)."""
+    backend = AllocatorPools(failing={"first capture failed": (0,), "last graph evicted": (1,)}.get(case, ()))
+    w = Graphed(net, backend=backend, max_graphs=1)
+    with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        w(torch.randn(1, 4))                   # captured, or failed: eager
+        w(torch.randn(2, 4))                   # failed (its eager entry evicts the first graph), or captured
+        if case == "reset":
+            w.reset()
+        x = torch.randn(3, 4)
+        assert torch.equal(w(x)[0], net(x)[0])
+    failed = [str(c.message) for c in caught if "could not be captured" in str(c.message)]
+    assert len(failed) == (0 if case == "reset" else 1)
+    assert not any("INTERNAL ASSERT" in message for message in failed)
+    assert w.info().graphs == 1 and w.info().captures == (3 if case == "reset" else 2)
+
+
+def test_a_held_graph_keeps_its_pool_shared(net: Net) -> None:
+    """While a graph of the pool is held the next signature shares the pool (what the pool is for)."""
+    backend = AllocatorPools()
+    w = Graphed(net, backend=backend)
+    with torch.inference_mode():
+        for n in (1, 2, 3):
+            w(torch.randn(n, 4))
+    assert backend.pools == 1 and backend.uses == {("pool", 1): 3} and w.info().captures == 3
+
+
 def test_refusals(net: Net) -> None:
     w = wrap(net)
     with pytest.raises(ValueError, match=r"kwargs\['extra'\]\['gen'\] is a torch._C.Generator"):
@@ -542,6 +602,31 @@ def test_gpu_flux_graphed_equals_eager() -> None:
         model.float().to(torch.bfloat16)           # the same dtype again, in new storage
         assert torch.equal(w(**inputs)[0], model(**inputs)[0]) and w.info().captures == 6
         assert w.info().replays == 8 and w.info().eager_calls == 0
+
+
+@gpu
+@pytest.mark.parametrize("failure", ["host sync", "pageable copy"])
+def test_gpu_a_signature_captures_after_another_failed(failure: str) -> None:
+    """The CUDA caching allocator asserts when a capture reuses a pool whose graphs are all gone: after one
+    signature fails, the next one still gets its graph, and its replays equal eager."""
+    class FailsWhenFour(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] != 4:
+                return x * 2
+            if failure == "host sync":
+                return x * float(x.sum().item())
+            return x + torch.ones(4).to(x.device)  # a pageable host copy: refused while capturing
+
+    w = graphed(FailsWhenFour())
+    with torch.inference_mode():
+        with pytest.warns(RuntimeWarning, match="could not be captured"):
+            w(torch.ones(4, device="cuda"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for n in (5, 6):
+                x = torch.arange(n, device="cuda", dtype=torch.float32)
+                assert torch.equal(w(x), x * 2) and torch.equal(w(x + 1), (x + 1) * 2)
+    assert w.info()[:4] == (2, 4, 1, 2)
 
 
 @gpu

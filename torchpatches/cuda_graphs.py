@@ -80,10 +80,11 @@ class GraphInfo(tuple):
 class _Graph:
     """One captured call: its static input buffers, its replay and its static output (a pytree)."""
 
-    __slots__ = ("statics", "replay", "leaves", "spec")
+    __slots__ = ("statics", "replay", "leaves", "spec", "device")
 
-    def __init__(self, statics: List[torch.Tensor], replay: Callable[[], None], output: Any) -> None:
-        self.statics, self.replay = statics, replay
+    def __init__(self, statics: List[torch.Tensor], replay: Callable[[], None], output: Any,
+                 device: torch.device) -> None:
+        self.statics, self.replay, self.device = statics, replay, device
         self.leaves, self.spec = pytree.tree_flatten(output)
 
     def __call__(self, tensors: List[torch.Tensor], clone: bool) -> Any:
@@ -208,12 +209,15 @@ class Graphed:
         static_args, static_kwargs = pytree.tree_unflatten(
             [next(it) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
         pool = self._pools.get(device)
-        if pool is None:
+        if pool is None or not self._holds_graph_on(device):
+            # A private pool is the allocator's only while a graph captured into it lives: once the last one is
+            # dropped (a failed capture, an eviction) capturing into it again fails an INTERNAL ASSERT of the
+            # CUDA caching allocator (``use_count > 0``), so each such signature would run eagerly.
             pool = self._pools[device] = self._backend.pool(device)
         try:
             replay, output = self._backend.capture(lambda: self._model(*static_args, **static_kwargs), device,
                                                    pool, self._warmup)
-            entry: Any = _Graph(statics, replay, output)
+            entry: Any = _Graph(statics, replay, output, device)
             self._counts[0] += 1
         except CaptureFailed as error:
             warnings.warn(f"torchpatches.cuda_graphs: {type(self._model).__name__} could not be captured for this "
@@ -224,6 +228,9 @@ class Graphed:
         while len(self._graphs) > self._max_graphs:
             self._graphs.popitem(last=False)  # least recently used
         return entry
+
+    def _holds_graph_on(self, device: torch.device) -> bool:
+        return any(isinstance(entry, _Graph) and entry.device == device for entry in self._graphs.values())
 
     # ---- a stand-in for the model -------------------------------------------------------------------------
 
