@@ -254,14 +254,14 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
     """The setting's rows: the slowest rank's best round; ratios to this setting's vanilla and one GPU's."""
     if setting == next(iter(entry)):
         print(f"\n{name}: slowest of {len(entry[setting])} ranks, the best of the alternated rounds (ms)")
-        print(f"{'setting':<9} {'variant':<15} {'step':>7} {'host':>7} {'b2b':>7} {'/vanilla':>9} {'b2b/van':>9} "
+        print(f"{'setting':<16} {'variant':<15} {'step':>7} {'host':>7} {'b2b':>7} {'/vanilla':>9} {'b2b/van':>9} "
               f"{'/1gpu van':>9} {'rel err':>9}")
     rows = entry[setting][0]
     one = slowest(entry, "one-gpu", "vanilla", "step_ms") if "one-gpu" in entry else None
     for variant in (v for v in rows if v not in ("graph_info", "launch_fallbacks")):
         step, host, b2b = (slowest(entry, setting, variant, k) for k in ("step_ms", "host_ms", "back_to_back_ms"))
         err = max(rank[variant]["rel_err_vs_vanilla"] for rank in entry[setting])
-        print(f"{setting:<9} {variant:<15} {step:7.1f} {host:7.1f} {b2b if b2b is not None else float('nan'):7.1f} "
+        print(f"{setting:<16} {variant:<15} {step:7.1f} {host:7.1f} {b2b if b2b is not None else float('nan'):7.1f} "
               f"{_x(step, slowest(entry, setting, 'vanilla', 'step_ms'))} "
               f"{_x(b2b, slowest(entry, setting, 'vanilla', 'back_to_back_ms'))} {_x(step, one)} {err:9.2e}")
     if "graph_info" in rows:

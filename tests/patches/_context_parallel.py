@@ -142,7 +142,7 @@ def _count_op_calls(counts: Dict[str, Any]) -> None:
 def _count_functional_collectives(counts: Dict[str, Any]) -> None:
     """Count ``funcol.all_to_all_single`` calls (diffusers' Ulysses exchange when ``cp_all_to_all`` is reverted, its
     uneven-shard exchanges always) and ``funcol.all_gather_tensor`` calls (the ring's key/value gather when
-    ``cp_ring_attention`` is reverted, the uneven ring's always, and the output gather of diffusers' hooks)."""
+    ``cp_ring_attention`` is reverted, and the output gather of diffusers' hooks)."""
     import torch.distributed._functional_collectives as funcol
 
     for name, key in (("all_to_all_single", "functional_all_to_all"), ("all_gather_tensor", "functional_all_gather")):

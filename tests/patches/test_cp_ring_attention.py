@@ -10,7 +10,10 @@ the log-sum-exp returned), calls no functional collective and warns nothing (the
 ``fullgraph`` trace --, forward AD, a dispatch mode, a tensor subclass, a group that is not a ``ProcessGroup``)
 reaches the functional gather; the predicate refuses a group inside ``_coalescing_manager``; revert puts back the
 registry's original (a ``staticmethod``). Two real ranks (gloo) gathering inside tiny FLUX models, and a training
-step through diffusers' own backward, run in ``test_fused_context_parallel.py``.
+step through diffusers' own backward, run in ``test_fused_context_parallel.py``. The uneven form
+(``TemplatedRingAnythingAttention``, ``ring_anything``): two and three emulated ranks of unequal lengths, batch 2,
+equal to the original with the merges counted; diffusers' merge where ``lse_merge`` does not fit; a mask (the
+original's error), compiling and a dispatch mode handed back; revert puts both forwards back.
 """
 from __future__ import annotations
 
@@ -335,3 +338,118 @@ def test_revert_puts_the_original_staticmethod_back(ring: Any) -> None:
     finally:
         torchpatches.apply(["cp_ring_attention"])
     assert ring.__dict__["forward"] is patched
+
+
+# ---- TemplatedRingAnythingAttention: shards of any length (``ring_anything``) ----------------------------------
+
+
+@pytest.fixture
+def ring_anything() -> Any:
+    torchpatches.apply(["cp_ring_attention"])
+    from diffusers.models.attention_dispatch import TemplatedRingAnythingAttention
+
+    return TemplatedRingAnythingAttention
+
+
+def _uneven_ranks(ring_anything: Any, monkeypatch: pytest.MonkeyPatch, lengths: List[int],
+                  dtype: torch.dtype) -> Any:
+    """Ranks of ``lengths`` local tokens each, emulated as ``_emulated_ranks`` does: diffusers' size gather gives every
+    rank's length, c10d's gather and the functional one every rank's padded key/value buffer in rank order."""
+    from diffusers.models import attention_dispatch
+
+    generator = torch.Generator().manual_seed(len(lengths))
+    inputs = [[torch.randn(2, n, 2, 8, generator=generator).to(DEVICE, dtype) for _ in range(3)] for n in lengths]
+    longest = max(lengths)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros((t.shape[0], longest - t.shape[1], *t.shape[2:]))], dim=1)
+
+    buffers = [_kv_buffer(padded(k), padded(v)) for _, k, v in inputs]
+    seen: List[Any] = []
+
+    def c10d_gather(out: torch.Tensor, kv: torch.Tensor, group: Any = None) -> None:
+        seen.append(out.shape)
+        out.copy_(torch.cat(buffers))
+
+    monkeypatch.setattr(attention_dispatch, "gather_size_by_comm", lambda size, group: list(lengths))
+    monkeypatch.setattr(dist, "ProcessGroup", FakeGroup)
+    monkeypatch.setattr(dist, "all_gather_single", c10d_gather, raising=False)
+    monkeypatch.setattr(funcol, "all_gather_tensor", lambda kv, gather_dim, group: torch.cat(buffers))
+    original = getattr(ring_anything.__dict__["forward"], MARK_ORIGINAL)
+    patched = cp_ring_attention._anything_replacement(original).__func__
+    return types.SimpleNamespace(inputs=inputs, seen=seen, original=original.__func__, patched=patched,
+                                 group=FakeGroup(len(lengths)), buffer_numel=buffers[0].numel())
+
+
+@pytest.mark.parametrize("lengths", [[5, 4], [4, 5], [3, 4, 2]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_uneven_ranks_merge_as_the_original(ring_anything: Any, monkeypatch: pytest.MonkeyPatch,
+                                            merges: List[Any], lengths: List[int], dtype: torch.dtype) -> None:
+    """Each rank's own keys unpadded, the others' cut to their true lengths from the padded c10d gather, every step
+    merged by ``lse_merge``: output, log-sum-exp and ``ctx`` equal the original's (batch 2, so the slices are
+    strided as the original's are)."""
+    world = _uneven_ranks(ring_anything, monkeypatch, lengths, dtype)
+    for rank in range(len(lengths)):
+        config = _rank_config(rank, world.group)
+        _same_ring_result(_ring_call(world.patched, world.inputs[rank], config),
+                          _ring_call(world.original, world.inputs[rank], config))
+    assert world.seen == [torch.Size([len(lengths) * world.buffer_numel])] * len(lengths)
+    steps = len(lengths) - 1
+    assert merges == ([torch.float32] * (steps - 1) + [dtype]) * len(lengths)
+
+
+def _same_ring_result(got: Any, expected: Any) -> None:
+    for e, g in zip(expected[:2], got[:2]):
+        assert g.dtype == e.dtype and g.shape == e.shape and torch.equal(g, e)
+    assert {k: v for k, v in vars(got[2]).items()} == {k: v for k, v in vars(expected[2]).items()}
+
+
+@pytest.mark.parametrize("case", ["no fp32 merge", "float64 query"])
+def test_uneven_ranks_keep_diffusers_merge_where_the_op_does_not_fit(
+        ring_anything: Any, monkeypatch: pytest.MonkeyPatch, merges: List[Any], case: str) -> None:
+    world = _uneven_ranks(ring_anything, monkeypatch, [5, 4],
+                          torch.float64 if case == "float64 query" else torch.bfloat16)
+    op = _bf16_out if case == "float64 query" else _attention_with_lse
+    for rank in range(2):
+        config = _rank_config(rank, world.group, convert_to_fp32=case != "no fp32 merge")
+        _same_ring_result(_ring_call(world.patched, world.inputs[rank], config, op),
+                          _ring_call(world.original, world.inputs[rank], config, op))
+    assert merges == []
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the functional gather's deprecation, torch >= 2.13
+@pytest.mark.parametrize("case", ["a mask", "compiling", "dispatch mode"])
+def test_uneven_ranks_hand_back_what_the_patch_does_not_cover(ring_anything: Any, monkeypatch: pytest.MonkeyPatch,
+                                                              merges: List[Any], case: str) -> None:
+    """A mask: the original's own ValueError. Under torch.compile: the original forward (functional gather,
+    diffusers' merge). A dispatch mode: the functional gather, as the even ring's."""
+    world = _uneven_ranks(ring_anything, monkeypatch, [5, 4], torch.float32)
+    gathers = counted_calls(monkeypatch, funcol, "all_gather_tensor")
+    config = _rank_config(0, world.group)
+    q, k, v = world.inputs[0]
+    if case == "a mask":
+        with pytest.raises(ValueError, match="does not support non-None attn_mask"):
+            world.patched(types.SimpleNamespace(), q, k, v, torch.ones(1, dtype=torch.bool), 0.0, False, None, False,
+                          True, _attention_with_lse, None, config)
+        return
+    expected = _ring_call(world.original, world.inputs[0], config)
+    if case == "compiling":
+        monkeypatch.setattr(cp_ring_attention, "is_compiling", lambda: True)
+        got = _ring_call(world.patched, world.inputs[0], config)
+        assert merges == []
+    else:
+        with PassThrough():
+            got = _ring_call(world.patched, world.inputs[0], config)
+    _same_ring_result(got, expected)
+    assert len(gathers) == 2 and world.seen == []  # the original's gather, then the patched call's
+
+
+def test_revert_puts_both_ring_forwards_back(ring: Any, ring_anything: Any) -> None:
+    patched = [cls.__dict__["forward"] for cls in (ring, ring_anything)]
+    torchpatches.revert("cp_ring_attention")
+    try:
+        for cls, p in zip((ring, ring_anything), patched):
+            assert cls.__dict__["forward"] is getattr(p, MARK_ORIGINAL)
+    finally:
+        torchpatches.apply(["cp_ring_attention"])
+    assert [cls.__dict__["forward"] for cls in (ring, ring_anything)] == patched

@@ -9,7 +9,7 @@ norm / activation patterns and the processors' q/k stretch ran on that rank's sh
 passing diffusers' attention call what diffusers' processors pass (their ``_parallel_config``; Wan's cross-attention
 none; QwenImage's joint text mask, split with the text, two of its tokens masked); Ulysses' all-to-alls went through
 c10d (``cp_all_to_all``), also in the backward of a training step, and so did ring attention's key/value gathers
-(``cp_ring_attention``), whose forward leaves diffusers' own ring backward what it reads (output and input gradient
+(``cp_ring_attention``, even and uneven shards), whose forward leaves diffusers' own ring backward what it reads (output and input gradient
 of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what the ranks
 supply, is in ``_context_parallel.py``.
 
@@ -54,10 +54,10 @@ PARALLEL_ATTENTION = {"flux1": 3, "flux2": 3, "wan": 2, "qwenimage": 2}
 
 
 def op_calls(case: str, which: str) -> Dict[str, int]:
-    """The fused ops' calls per forward: the model's patterns (``EXPECTED``) and, under ring attention with even
-    shards, one log-sum-exp merge per split attention call (``cp_ring_attention``; two ranks, so one merge each;
-    the uneven ring's ``TemplatedRingAnythingAttention`` is diffusers' own)."""
-    return dict(EXPECTED[which], lse_merge=PARALLEL_ATTENTION[which] if case == "ring" else 0)
+    """The fused ops' calls per forward: the model's patterns (``EXPECTED``) and, under ring attention (even or
+    uneven shards), one log-sum-exp merge per split attention call (``cp_ring_attention``; two ranks, so one merge
+    each)."""
+    return dict(EXPECTED[which], lse_merge=PARALLEL_ATTENTION[which] if case.startswith("ring") else 0)
 
 
 def functional_all_to_all(case: str, which: str) -> List[int]:
@@ -70,10 +70,10 @@ def functional_all_to_all(case: str, which: str) -> List[int]:
 
 def functional_all_gather(case: str, which: str) -> List[int]:
     """``funcol.all_gather_tensor`` calls per forward, (unpatched, patched): ring attention gathers keys and values
-    once per split attention call, which ``cp_ring_attention`` sends through c10d; diffusers' output gather (1, even
-    shards only) and the uneven ring's gathers (``TemplatedRingAnythingAttention``) are left as they are."""
+    once per split attention call, which ``cp_ring_attention`` sends through c10d (even and uneven shards);
+    diffusers' output gather (1, even shards only) is left as it is."""
     calls = PARALLEL_ATTENTION[which]
-    return {"ulysses": [1, 1], "ring": [calls + 1, 1], "ring-uneven": [calls, calls]}.get(case, [0, 0])
+    return {"ulysses": [1, 1], "ring": [calls + 1, 1], "ring-uneven": [calls, 0]}.get(case, [0, 0])
 
 
 #: Functional collectives of a training step, [all-to-all, all-gather] unpatched and patched. Ulysses: 12 exchanges

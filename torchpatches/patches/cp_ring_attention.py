@@ -3,7 +3,8 @@ and the log-sum-exp merge of the ring's partial results in one kernel.
 
 What goes wrong upstream
     Under diffusers' context parallelism with ring attention (``ContextParallelConfig(ring_degree=N)``) every
-    attention call runs ``TemplatedRingAttention.forward``. Two parts of it cost more than their work:
+    attention call runs ``TemplatedRingAttention.forward`` (``TemplatedRingAnythingAttention.forward`` with
+    ``ring_anything=True``). Two parts of it cost more than their work:
 
     - The key/value gather is ``funcol.all_gather_tensor``. Its result is an ``AsyncCollectiveTensor``: the
       ``chunk``, the slices and the ``reshape_as`` that follow, and the attention call that finally reads a chunk,
@@ -22,7 +23,9 @@ What goes wrong upstream
     No upstream issue as of diffusers 0.42.1.
 
 What the patch changes
-    ``TemplatedRingAttention.forward`` is diffusers' own code (0.42.1) with two changes, both in eager only:
+    ``TemplatedRingAttention.forward`` (equal shards) and ``TemplatedRingAnythingAttention.forward`` (shards of any
+    length, ``ring_anything``; forward only, as diffusers') are diffusers' own code (0.42.1) with two changes, both in
+    eager only:
 
     - the gather is ``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) into
       a new 1-D tensor: the ranks' buffers in rank order, the same values bit for bit as the functional
@@ -34,21 +37,21 @@ What the patch changes
       The first partial output is read in the backend's dtype (its fp32 copy is exact), the last merge writes
       the query's dtype (the final cast's rounding).
 
-    Everything else (the ring loop, what the forward leaves on ``ctx`` for diffusers' unchanged backward) is the
-    original's. The original forward runs under torch.compile (Dynamo traces the functional collective) and
-    under a transform (functorch, forward AD, ``torch.jit.trace``); the functional gather runs, as in the
+    Everything else (the ring loop, the uneven form's size gather and padding, what the equal form leaves on ``ctx``
+    for diffusers' unchanged backward) is the original's. The original forward runs under torch.compile (Dynamo
+    traces the functional collective), under a transform (functorch, forward AD, ``torch.jit.trace``), and for the
+    uneven form given a mask (its own ``ValueError``); the functional gather runs, as in the
     original, for what c10d may not replace (``_direct_collectives``: a tensor subclass, a group that is not a
     ``ProcessGroup``, a Python torch-function or dispatch mode, complex or empty buffers, a
     ``_coalescing_manager`` block, CUDA-graph capture); diffusers' merge runs without ``convert_to_fp32``, for
     one rank, and for results whose log-sum-exp is not ``[B, S, H]`` (or ``[B, S, H, 1]``) plain float tensors
     of the output's device, or a query of another dtype. Under a Python dispatch mode the merge is still a kernel
-    launch, as the other fused ops' are. The backward, ``TemplatedRingAnythingAttention`` (uneven shards) and the
-    output gather of diffusers' hooks are not touched.
+    launch, as the other fused ops' are. The backward and the output gather of diffusers' hooks are not touched.
 
 Versions
-    diffusers 0.40 - 0.42: ``TemplatedRingAttention.forward`` fingerprinted in 0.40.0 (its source differs from
-    0.41's by the return annotation only), 0.41.0, 0.42.0 and 0.42.1 (tools/fingerprint_diffusers.py). 0.39 and older
-    leave nothing on ``ctx`` for their backward's reconstruction and are not verified. Any torch with
+    diffusers 0.40 - 0.42: both forwards fingerprinted in 0.40.0 (each source differs from 0.41's by the return
+    annotation only), 0.41.0, 0.42.0 and 0.42.1 (tools/fingerprint_diffusers.py). 0.39 and older leave nothing on
+    ``ctx`` for their backward's reconstruction and merge by another rule and are not verified. Any torch with
     ``torch.distributed``. Named ``cp_ring_gather`` in round 9, before it took the merge.
 
 When to delete
@@ -58,7 +61,7 @@ When to delete
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Tuple
 
 import torch
 
@@ -69,6 +72,8 @@ from ._direct_collectives import direct_fits, distributed_missing
 
 __all__ = ["PATCH"]
 
+_MODULE = "diffusers.models.attention_dispatch"
+
 
 def _merge_fits(out: Any, lse: Any, query: torch.Tensor) -> bool:
     """What ``lse_merge`` takes: plain float tensors on one device, ``lse`` of ``out``'s rows (a trailing 1 or not),
@@ -78,14 +83,12 @@ def _merge_fits(out: Any, lse: Any, query: torch.Tensor) -> bool:
             and out.dim() >= 1 and (lse.shape == out.shape[:-1] or lse.shape == (*out.shape[:-1], 1)))
 
 
-def _replacement(original: Any) -> staticmethod:
+def _gathered_with(process_group: type) -> Any:
+    """A gather of the ring's key/value buffer: c10d where it may stand in (``_direct_collectives``), else
+    diffusers' functional gather."""
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    from ..ops.lse_merge import lse_merge  # registers its torch.library op: loaded with the target, not the package
-
-    original_forward = original.__func__
-    process_group = dist.ProcessGroup
     # ``all_gather_into_tensor`` warns that it is deprecated from torch 2.13, which has ``all_gather_single``.
     gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -96,6 +99,74 @@ def _replacement(original: Any) -> staticmethod:
         out = kv_buffer.new_empty((group.size() * kv_buffer.numel(),))
         gather_into(out, kv_buffer, group=group)
         return out
+
+    return gathered
+
+
+def _ring_loop(ctx: Any, query: torch.Tensor, step_kv: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
+               attn_mask: Any, dropout_p: float, is_causal: bool, scale: Any, enable_gqa: bool, forward_op: Any,
+               _parallel_config: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    """diffusers 0.42.1's ring loop, shared by both templates: attention over each step's keys and values
+    (``step_kv(i)``), the partial results merged by their log-sum-exps -- by ``lse_merge`` where it fits."""
+    from ..ops.lse_merge import lse_merge  # registers its torch.library op: loaded with the target, not the package
+
+    world_size = _parallel_config.context_parallel_config.ring_degree
+    convert_to_fp32 = _parallel_config.context_parallel_config.convert_to_fp32
+    prev_out = prev_lse = None
+    fused_merge = None
+    for i in range(world_size):
+        key, value = step_kv(i)
+        out, lse = forward_op(
+            ctx,
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            enable_gqa,
+            True,
+            _save_ctx=i == 0,
+            _parallel_config=_parallel_config,
+        )
+
+        if fused_merge is None:  # every step's result has the first one's shapes and dtypes
+            fused_merge = world_size > 1 and convert_to_fp32 and _merge_fits(out, lse, query)
+        if fused_merge:
+            lse = lse.reshape(out.shape[:-1])
+            if prev_out is not None:
+                out, lse = lse_merge(prev_out, prev_lse, out, lse,
+                                     out_dtype=query.dtype if i == world_size - 1 else torch.float32)
+            prev_out = out
+            prev_lse = lse
+            continue
+
+        if convert_to_fp32:
+            out = out.to(torch.float32)
+            lse = lse.to(torch.float32)
+
+        # Some backends return a 3-D log-sum-exp, others a trailing-1 dim (diffusers PR 12693).
+        if lse.ndim == 3:
+            lse = lse.unsqueeze(-1)
+        if prev_out is not None:
+            out = prev_out - torch.nn.functional.sigmoid(lse - prev_lse) * (prev_out - out)
+            lse = prev_lse - torch.nn.functional.logsigmoid(prev_lse - lse)
+        prev_out = out
+        prev_lse = lse
+
+    if not fused_merge:  # lse_merge wrote the query's dtype and [B, S, H]
+        out = out.to(query.dtype)
+        lse = lse.squeeze(-1)
+    return out, lse
+
+
+def _replacement(original: Any) -> staticmethod:
+    """``TemplatedRingAttention.forward`` (equal shards)."""
+    import torch.distributed as dist
+
+    original_forward = original.__func__
+    gathered = _gathered_with(dist.ProcessGroup)
 
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
@@ -119,8 +190,6 @@ def _replacement(original: Any) -> staticmethod:
         ring_mesh = _parallel_config.context_parallel_config._ring_mesh
         rank = _parallel_config.context_parallel_config._ring_local_rank
         world_size = _parallel_config.context_parallel_config.ring_degree
-        next_rank = (rank + 1) % world_size
-        prev_out = prev_lse = None
 
         ctx.forward_op = forward_op
         ctx.backward_op = backward_op
@@ -129,61 +198,17 @@ def _replacement(original: Any) -> staticmethod:
         ctx._parallel_config = _parallel_config
 
         kv_buffer = torch.cat([key.flatten(), value.flatten()]).contiguous()
-        kv_buffer = gathered(kv_buffer, ring_mesh.get_group())
-        kv_buffer = kv_buffer.chunk(world_size)
+        kv_buffer = gathered(kv_buffer, ring_mesh.get_group()).chunk(world_size)
+        key_numel = key.numel()
 
-        fused_merge = None
-        for i in range(world_size):
-            if i > 0:
-                kv = kv_buffer[next_rank]
-                key_numel = key.numel()
-                key = kv[:key_numel].reshape_as(key)
-                value = kv[key_numel:].reshape_as(value)
-                next_rank = (next_rank + 1) % world_size
+        def step_kv(i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+            if i == 0:
+                return key, value
+            kv = kv_buffer[(rank + i) % world_size]
+            return kv[:key_numel].reshape_as(key), kv[key_numel:].reshape_as(value)
 
-            out, lse = forward_op(
-                ctx,
-                query,
-                key,
-                value,
-                attn_mask,
-                dropout_p,
-                is_causal,
-                scale,
-                enable_gqa,
-                True,
-                _save_ctx=i == 0,
-                _parallel_config=_parallel_config,
-            )
-
-            if fused_merge is None:  # every step's result has the first one's shapes and dtypes
-                fused_merge = (world_size > 1 and _parallel_config.context_parallel_config.convert_to_fp32
-                               and _merge_fits(out, lse, query))
-            if fused_merge:
-                lse = lse.reshape(out.shape[:-1])
-                if prev_out is not None:
-                    out, lse = lse_merge(prev_out, prev_lse, out, lse,
-                                         out_dtype=query.dtype if i == world_size - 1 else torch.float32)
-                prev_out = out
-                prev_lse = lse
-                continue
-
-            if _parallel_config.context_parallel_config.convert_to_fp32:
-                out = out.to(torch.float32)
-                lse = lse.to(torch.float32)
-
-            # Some backends return a 3-D log-sum-exp, others a trailing-1 dim (diffusers PR 12693).
-            if lse.ndim == 3:
-                lse = lse.unsqueeze(-1)
-            if prev_out is not None:
-                out = prev_out - torch.nn.functional.sigmoid(lse - prev_lse) * (prev_out - out)
-                lse = prev_lse - torch.nn.functional.logsigmoid(prev_lse - lse)
-            prev_out = out
-            prev_lse = lse
-
-        if not fused_merge:  # lse_merge wrote the query's dtype and [B, S, H]
-            out = out.to(query.dtype)
-            lse = lse.squeeze(-1)
+        out, lse = _ring_loop(ctx, query, step_kv, attn_mask, dropout_p, is_causal, scale, enable_gqa, forward_op,
+                              _parallel_config)
 
         # diffusers' backward reconstructs each ring iteration from the reduced out / lse.
         ctx.ring_out = out.detach()
@@ -195,15 +220,95 @@ def _replacement(original: Any) -> staticmethod:
     return staticmethod(forward)
 
 
+def _anything_replacement(original: Any) -> staticmethod:
+    """``TemplatedRingAnythingAttention.forward`` (shards of any length; forward only, as diffusers')."""
+    import importlib
+
+    import torch.distributed as dist
+
+    original_forward = original.__func__
+    gathered = _gathered_with(dist.ProcessGroup)
+    dispatch = importlib.import_module(_MODULE)
+
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        dropout_p: float,
+        is_causal: bool,
+        scale: float | None,
+        enable_gqa: bool,
+        return_lse: bool,
+        forward_op: Any,
+        backward_op: Any,
+        _parallel_config: Any = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if is_compiling() or eager_transforms() or attn_mask is not None:  # a mask: the original's ValueError
+            return original_forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                    return_lse, forward_op, backward_op, _parallel_config)
+        # From here on diffusers 0.42.1's code, but for the gather and the merge.
+        ring_mesh = _parallel_config.context_parallel_config._ring_mesh
+        group = ring_mesh.get_group()
+        rank = _parallel_config.context_parallel_config._ring_local_rank
+        world_size = _parallel_config.context_parallel_config.ring_degree
+
+        ctx.forward_op = forward_op
+        ctx.backward_op = backward_op
+        ctx.q_shape = query.shape
+        ctx.kv_shape = key.shape
+        ctx._parallel_config = _parallel_config
+
+        kv_seq_len = key.shape[1]  # local S_KV (may differ across ranks)
+        all_kv_seq_lens = dispatch.gather_size_by_comm(kv_seq_len, group)  # looked up per call, as the original's
+        s_max = max(all_kv_seq_lens)
+
+        def pad_to_s_max(t: torch.Tensor) -> torch.Tensor:
+            pad_len = s_max - t.shape[1]
+            if pad_len == 0:
+                return t
+            pad_shape = (t.shape[0], pad_len, *t.shape[2:])
+            return torch.cat([t, t.new_zeros(pad_shape)], dim=1)
+
+        key_padded = pad_to_s_max(key)
+        value_padded = pad_to_s_max(value)
+
+        kv_buffer = torch.cat([key_padded.flatten(), value_padded.flatten()]).contiguous()
+        kv_buffer = gathered(kv_buffer, group).chunk(world_size)
+        kv_padded_numel = key_padded.numel()
+
+        def step_kv(i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+            if i == 0:  # the local (unpadded) key and value
+                return key_padded[:, :kv_seq_len], value_padded[:, :kv_seq_len]
+            other = (rank + i) % world_size
+            true_seq_len = all_kv_seq_lens[other]
+            kv = kv_buffer[other]
+            return (kv[:kv_padded_numel].reshape_as(key_padded)[:, :true_seq_len],
+                    kv[kv_padded_numel:].reshape_as(value_padded)[:, :true_seq_len])
+
+        out, lse = _ring_loop(ctx, query, step_kv, attn_mask, dropout_p, is_causal, scale, enable_gqa, forward_op,
+                              _parallel_config)
+        return (out, lse) if return_lse else out
+
+    forward.__doc__ = original_forward.__doc__
+    return staticmethod(forward)
+
+
 PATCH = Patch(
     name="cp_ring_attention",
     summary="diffusers' ring attention (context parallelism) in eager: key/value all-gather through c10d, "
             "log-sum-exp merge in one kernel",
     targets=(
-        Target("diffusers.models.attention_dispatch:TemplatedRingAttention.forward", make_replacement=_replacement,
+        Target(f"{_MODULE}:TemplatedRingAttention.forward", make_replacement=_replacement,
                fingerprints=frozenset({
                    "692d5647b854066c",  # 0.40.0
                    "5c2a1afd0944687b",  # 0.41.0, 0.42.0, 0.42.1
+               })),
+        Target(f"{_MODULE}:TemplatedRingAnythingAttention.forward", make_replacement=_anything_replacement,
+               fingerprints=frozenset({
+                   "0f971549632a755e",  # 0.40.0
+                   "7078b95a5d50a1f2",  # 0.41.0, 0.42.0, 0.42.1
                })),
     ),
     requires={"diffusers": ">=0.40,<0.43"},

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device-tool call on a two-GPU kind (nvidia-h200-x2 / nvidia-h100-x2; no network): diffusers' uneven-shard
+# context parallelism (ulysses_anything / ring_anything) beside the even modes, vanilla vs torchpatches, one process
+# per GPU (benchmarks/flux_cp.py), and the CUDA tests of what round 11 changed (cuda_graphs' pool after a failed
+# capture, cp_ring_attention's uneven form). Needs .whl/ (diffusers 0.42.1 + importlib_metadata wheels) carried into
+# the repo root. PARTS picks what runs (default "tests flux1 flux1-gloo qwen"):
+#   tests       CUDA tests: tests/test_cuda_graphs.py, cp_ring_attention, lse_merge
+#   flux1       FLUX.1-dev, Ulysses / ulysses_anything / ring / ring_anything, init_process_group("nccl")
+#   flux1-gloo  the same uneven modes over init_process_group("cpu:gloo,cuda:nccl") (diffusers' size gathers on gloo)
+#   qwen        Qwen-Image at the pipeline's 1328x1328 (83 x 83 tokens: uneven), ulysses_anything, through graphed too
+# Each part's arguments: FLUX1_ARGS, GLOO_ARGS, QWEN_ARGS replace the defaults. Writes under $OUT.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PARTS=${PARTS:-tests flux1 flux1-gloo qwen}
+COMMON="--no-one-gpu --rounds 2 --iters 10 --warmup 2 --back-to-back 4 --profile"
+run_cp() {  # label model seconds [args]
+    local label=$1 model=$2 limit=$3; shift 3
+    timeout "$limit" python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --models "$model" \
+        --json "$OUT/cp-$label.json" "$@" > "$OUT/cp-$label.log" 2>&1
+    echo "== $label: exit $?"
+    grep -vE "^\[?W[0-9]|experimental|FutureWarning|funcol|wait_tensor|before the output|^[12]\. |^\*+$|OMP_NUM|step_of" \
+        "$OUT/cp-$label.log" | tail -40
+}
+for part in $PARTS; do
+    case $part in
+    tests)
+        TORCHPATCHES_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
+            tests/patches/test_cp_ring_attention.py tests/ops/test_lse_merge.py > "$OUT/pytest-cuda.txt" 2>&1
+        echo "== pytest: exit $?"; tail -5 "$OUT/pytest-cuda.txt";;
+    flux1) run_cp flux1 flux1 330 ${FLUX1_ARGS:---modes ulysses,ulysses_anything,ring,ring_anything \
+        --variants vanilla,all,-cp_ring_attention $COMMON};;
+    flux1-gloo) run_cp flux1-gloo flux1 200 ${GLOO_ARGS:---backend cpu:gloo,cuda:nccl \
+        --modes ulysses_anything,ring_anything --variants vanilla,all $COMMON};;
+    qwen) run_cp qwenimage qwenimage 240 ${QWEN_ARGS:---qwen-side 83 --modes ulysses_anything --graphed \
+        --variants vanilla,all $COMMON};;
+    *) echo "unknown part $part"; exit 2;;
+    esac
+done
