@@ -29,7 +29,7 @@ warnings.simplefilter("ignore")
 import diffusers
 from torchpatches._gates import fingerprint
 from torchpatches._slot import SkipTarget, find
-from torchpatches.patches import compile_warnings, cp_all_to_all, cp_ring_attention, lora_scale, rope
+from torchpatches.patches import compile_warnings, cp_all_to_all, cp_ring_attention, cp_ulysses_anything, lora_scale, rope
 
 def look(path):
     try:
@@ -42,7 +42,8 @@ def look(path):
         return "missing"
 
 found = {"diffusers": diffusers.__version__, "targets": {}}
-for patch in (rope.PATCH, lora_scale.PATCH, cp_all_to_all.PATCH, cp_ring_attention.PATCH, compile_warnings.PATCH):
+for patch in (rope.PATCH, lora_scale.PATCH, cp_all_to_all.PATCH, cp_ring_attention.PATCH, cp_ulysses_anything.PATCH,
+              compile_warnings.PATCH):
     for target in patch.targets:
         value = look(target.path)
         found["targets"][target.path] = [value, value in target.fingerprints]

@@ -62,7 +62,7 @@ NOT_RUN = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Patches applied in the patched run (and reverted in the unpatched one) besides the fused patterns.
-EXTRA = ("rope", "cp_all_to_all", "cp_ring_attention")
+EXTRA = ("rope", "cp_all_to_all", "cp_ring_attention", "cp_ulysses_anything")
 #: The fused ops whose calls are counted (their ``_impl``: the body every tier and dispatch reaches).
 OPS = ("modulate", "qk_norm_rope", "rms_norm_rope", "swiglu", "slices", "lse_merge")
 #: Seconds a collective may wait for the other rank before it raises (a failing rank must not hang the test).
@@ -155,6 +155,23 @@ def _count_functional_collectives(counts: Dict[str, Any]) -> None:
         setattr(funcol, name, counting)
 
 
+def _count_size_gathers(counts: Dict[str, Any]) -> None:
+    """Count the exchanges of the ranks' sequence lengths: diffusers' ``gather_size_by_comm`` as its attention code
+    calls it (the uneven shards' paths) and ``cp_ulysses_anything``'s one per attention call."""
+    from diffusers.models import attention_dispatch
+
+    from torchpatches.patches import cp_ulysses_anything
+
+    for owner, name in ((attention_dispatch, "gather_size_by_comm"), (cp_ulysses_anything, "_sizes_of_every_rank")):
+        real = getattr(owner, name)
+
+        def counting(*args: Any, _real: Callable[..., Any] = real, **kwargs: Any) -> Any:
+            counts["size_gathers"] += 1
+            return _real(*args, **kwargs)
+
+        setattr(owner, name, counting)
+
+
 def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
     from diffusers import ContextParallelConfig
@@ -185,7 +202,8 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
         counts.clear()
         with torchpatches.disabled(*FUSED, *EXTRA):
             vanilla = model(**inputs, return_dict=False)[0]
-        functional_vanilla = [counts["functional_all_to_all"], counts["functional_all_gather"]]
+        functional_vanilla = [counts["functional_all_to_all"], counts["functional_all_gather"],
+                              counts["size_gathers"]]
         counts.clear()
         counts["tokens"] = set()
         with force_tier("torch"):
@@ -199,6 +217,7 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
         counts={op: counts[op] for op in OPS},
         functional_all_to_all=[functional_vanilla[0], counts["functional_all_to_all"]],  # unpatched, patched
         functional_all_gather=[functional_vanilla[1], counts["functional_all_gather"]],
+        size_gathers=[functional_vanilla[2], counts["size_gathers"]],
         tokens=sorted(counts["tokens"]),
         processors_parallel=sum(getattr(p, "_parallel_config", None) is not None for p in processors),
         processors=len(processors),
@@ -279,6 +298,7 @@ def _rank(rank: int, store: str, folder: str, repo_tests: str) -> None:
         counts: Dict[str, Any] = collections.Counter()
         _count_op_calls(counts)
         _count_functional_collectives(counts)
+        _count_size_gathers(counts)
         results["ring-native"] = _native_ring_error()
         kernel = _cpu_flash_kernel()
         for mode in ("ulysses", "ring"):

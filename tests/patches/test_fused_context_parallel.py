@@ -62,10 +62,19 @@ def op_calls(case: str, which: str) -> Dict[str, int]:
 
 def functional_all_to_all(case: str, which: str) -> List[int]:
     """``funcol.all_to_all_single`` calls per forward, (unpatched, patched): Ulysses exchanges q, k, v and the output
-    (4 per split attention call), which ``cp_all_to_all`` sends through c10d; the uneven shards' exchange
-    (``ulysses_anything``, split sizes) is another function of diffusers, left as it is; ring attention gathers."""
+    (4 per split attention call), which ``cp_all_to_all`` sends through c10d, and ``cp_ulysses_anything`` the
+    uneven shards' (``ulysses_anything``, split sizes); ring attention gathers."""
     calls = 4 * PARALLEL_ATTENTION[which]
-    return {"ulysses": [calls, 0], "ulysses-uneven": [calls, calls]}.get(case, [0, 0])
+    return {"ulysses": [calls, 0], "ulysses-uneven": [calls, 0]}.get(case, [0, 0])
+
+
+def size_gathers(case: str, which: str) -> List[int]:
+    """Exchanges of the ranks' sequence lengths per forward, (unpatched, patched): diffusers' uneven Ulysses asks for
+    them once per exchange of q, k, v and the output (and once more for a mask: QwenImage's), ``cp_ulysses_anything``
+    once per attention call; the uneven ring once per call, patched or not."""
+    calls = PARALLEL_ATTENTION[which]
+    per_call = 5 if which == "qwenimage" else 4
+    return {"ulysses-uneven": [per_call * calls, calls], "ring-uneven": [calls, calls]}.get(case, [0, 0])
 
 
 def functional_all_gather(case: str, which: str) -> List[int]:
@@ -109,6 +118,7 @@ def test_fused_glue_on_each_shard_equals_diffusers(ranks: List[Dict[str, Any]], 
         assert got["counts"] == op_calls(case, which), (rank, got)
         assert got["functional_all_to_all"] == functional_all_to_all(case, which), (rank, got)
         assert got["functional_all_gather"] == functional_all_gather(case, which), (rank, got)
+        assert got["size_gathers"] == size_gathers(case, which), (rank, got)
         family = which if which in ("wan", "qwenimage") else "flux"
         assert got["tokens"] == TOKENS[family, gathered][rank], (rank, got)  # the patterns saw this rank's shard
         assert got["processors"] > 0 and got["processors_parallel"] == got["processors"], (rank, got)

@@ -10,5 +10,5 @@ PATCH_MODULES = (
     "wan_block", "wan_qk_norm_rope",
     "qwenimage_block", "qwenimage_qk_norm_rope",
     "lora", "lora_scale",
-    "cp_all_to_all", "cp_ring_attention",
+    "cp_all_to_all", "cp_ring_attention", "cp_ulysses_anything",
 )

@@ -1,5 +1,5 @@
 """When one of diffusers' context-parallel collectives may go through c10d directly instead of the functional
-collectives: the conditions ``cp_all_to_all`` and ``cp_ring_attention`` share (their banners say why each one).
+collectives: the conditions ``cp_all_to_all``, ``cp_ring_attention`` and ``cp_ulysses_anything`` share (their banners say why each one).
 
 The functional collectives are what Dynamo traces and what autograd, transforms, Python modes and tensor subclasses
 see; c10d's synchronous collective is the same data movement without their Python layer. So c10d may stand in only
@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["direct_fits", "distributed_missing"]
+__all__ = ["direct_fits", "distributed_missing", "gather_into_tensor"]
 
 #: Python modes on the stack (C queries; a torch without one reports none)
 _function_modes: Callable[[], bool] = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
@@ -45,6 +45,14 @@ def direct_fits(x: Any, group: Any, process_group: type) -> bool:
         and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
         and not _coalescing(group)
     )
+
+
+def gather_into_tensor() -> Callable[..., Any]:
+    """c10d's gather of every rank's tensor into one: ``all_gather_single`` from torch 2.13, which warns that
+    ``all_gather_into_tensor`` (the same call before it) is deprecated."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def distributed_missing() -> Optional[str]:

@@ -68,7 +68,7 @@ import torch
 from .._compat import is_compiling
 from .._declare import Patch, Target
 from ..ops._tiers import FLOAT_DTYPES, eager_transforms
-from ._direct_collectives import direct_fits, distributed_missing
+from ._direct_collectives import direct_fits, distributed_missing, gather_into_tensor
 
 __all__ = ["PATCH"]
 
@@ -86,11 +86,9 @@ def _merge_fits(out: Any, lse: Any, query: torch.Tensor) -> bool:
 def _gathered_with(process_group: type) -> Any:
     """A gather of the ring's key/value buffer: c10d where it may stand in (``_direct_collectives``), else
     diffusers' functional gather."""
-    import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    # ``all_gather_into_tensor`` warns that it is deprecated from torch 2.13, which has ``all_gather_single``.
-    gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather_into = gather_into_tensor()
 
     def gathered(kv_buffer: torch.Tensor, group: Any) -> torch.Tensor:
         if not direct_fits(kv_buffer, group, process_group):  # the buffer is contiguous: the forward made it so
