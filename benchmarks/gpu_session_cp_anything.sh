@@ -4,13 +4,17 @@
 # per GPU (benchmarks/flux_cp.py), and the CUDA tests of what round 11 changed (cuda_graphs' pool after a failed
 # capture, cp_ring_attention's uneven form, cp_ulysses_anything). Needs .whl/ (diffusers 0.42.1 + importlib_metadata
 # wheels) carried into the repo root. PARTS picks what runs (default "tests flux1 flux1-gloo qwen"):
-#   tests       CUDA tests: tests/test_cuda_graphs.py, cp_ring_attention, cp_ulysses_anything, lse_merge
+#   tests       CUDA tests: tests/test_cuda_graphs.py, cp_ring_attention, cp_ulysses_anything, qwenimage_text_seq_len,
+#               lse_merge
 #   flux1       FLUX.1-dev, Ulysses / ulysses_anything, with and without cp_ulysses_anything, init_process_group("nccl")
 #   flux1-gloo  ulysses_anything over init_process_group("cpu:gloo,cuda:nccl") (the lengths exchanged on gloo)
 #   flux2       FLUX.2 (2 + 12 blocks), as flux1
 #   qwen        Qwen-Image at the pipeline's 1328x1328 (83 x 83 tokens: uneven), ulysses_anything
+#   qwen-graphed  Qwen-Image 1024x1024, Ulysses, also through cuda_graphs.graphed, with and without
+#               qwenimage_text_seq_len (without it the capture fails and the graphed rows run eagerly)
 #   rings       FLUX.1-dev, ring / ring_anything, with and without cp_ring_attention
-# Each part's arguments: FLUX1_ARGS, GLOO_ARGS, FLUX2_ARGS, QWEN_ARGS, RINGS_ARGS replace the defaults. Writes under
+# Each part's arguments: FLUX1_ARGS, GLOO_ARGS, FLUX2_ARGS, QWEN_ARGS, QWEN_GRAPHED_ARGS, RINGS_ARGS replace the
+# defaults. Writes under
 # $OUT.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -30,7 +34,8 @@ for part in $PARTS; do
     case $part in
     tests)
         TORCHPATCHES_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py \
-            tests/patches/test_cp_ring_attention.py tests/patches/test_cp_ulysses_anything.py tests/ops/test_lse_merge.py \
+            tests/patches/test_cp_ring_attention.py tests/patches/test_cp_ulysses_anything.py \
+            tests/patches/test_qwenimage_text_seq_len.py tests/ops/test_lse_merge.py \
             > "$OUT/pytest-cuda.txt" 2>&1
         echo "== pytest: exit $?"; tail -5 "$OUT/pytest-cuda.txt";;
     flux1) run_cp flux1 flux1 240 ${FLUX1_ARGS:---modes ulysses,ulysses_anything \
@@ -41,6 +46,8 @@ for part in $PARTS; do
         --variants vanilla,all,-cp_ulysses_anything $COMMON};;
     qwen) run_cp qwenimage qwenimage 150 ${QWEN_ARGS:---qwen-side 83 --modes ulysses_anything \
         --variants vanilla,all,-cp_ulysses_anything $COMMON};;
+    qwen-graphed) run_cp qwen-graphed qwenimage 150 ${QWEN_GRAPHED_ARGS:---modes ulysses --graphed \
+        --variants vanilla,all,-qwenimage_text_seq_len $COMMON};;
     rings) run_cp rings flux1 240 ${RINGS_ARGS:---modes ring,ring_anything \
         --variants vanilla,all,-cp_ring_attention $COMMON};;
     *) echo "unknown part $part"; exit 2;;

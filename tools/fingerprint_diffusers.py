@@ -29,7 +29,8 @@ warnings.simplefilter("ignore")
 import diffusers
 from torchpatches._gates import fingerprint
 from torchpatches._slot import SkipTarget, find
-from torchpatches.patches import compile_warnings, cp_all_to_all, cp_ring_attention, cp_ulysses_anything, lora_scale, rope
+from torchpatches.patches import (compile_warnings, cp_all_to_all, cp_ring_attention, cp_ulysses_anything, lora_scale,
+                                  qwenimage_text_seq_len, rope)
 
 def look(path):
     try:
@@ -43,6 +44,7 @@ def look(path):
 
 found = {"diffusers": diffusers.__version__, "targets": {}}
 for patch in (rope.PATCH, lora_scale.PATCH, cp_all_to_all.PATCH, cp_ring_attention.PATCH, cp_ulysses_anything.PATCH,
+              qwenimage_text_seq_len.PATCH,
               compile_warnings.PATCH):
     for target in patch.targets:
         value = look(target.path)

@@ -8,7 +8,7 @@ PATCH_MODULES = (
     "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
     "sd3_qk_norm", "sd3_block",
     "wan_block", "wan_qk_norm_rope",
-    "qwenimage_block", "qwenimage_qk_norm_rope",
+    "qwenimage_block", "qwenimage_qk_norm_rope", "qwenimage_text_seq_len",
     "lora", "lora_scale",
     "cp_all_to_all", "cp_ring_attention", "cp_ulysses_anything",
 )
