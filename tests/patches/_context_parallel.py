@@ -157,12 +157,14 @@ def _count_functional_collectives(counts: Dict[str, Any]) -> None:
 
 def _count_size_gathers(counts: Dict[str, Any]) -> None:
     """Count the exchanges of the ranks' sequence lengths: diffusers' ``gather_size_by_comm`` as its attention code
-    calls it (the uneven shards' paths) and ``cp_ulysses_anything``'s one per attention call."""
+    calls it (the uneven shards' paths) and the patches' ``ints_of_every_rank`` (``cp_ulysses_anything`` and the
+    uneven ring of ``cp_ring_attention``, one per attention call)."""
     from diffusers.models import attention_dispatch
 
-    from torchpatches.patches import cp_ulysses_anything
+    from torchpatches.patches import cp_ring_attention, cp_ulysses_anything
 
-    for owner, name in ((attention_dispatch, "gather_size_by_comm"), (cp_ulysses_anything, "_sizes_of_every_rank")):
+    for owner, name in ((attention_dispatch, "gather_size_by_comm"), (cp_ulysses_anything, "ints_of_every_rank"),
+                        (cp_ring_attention, "ints_of_every_rank")):
         real = getattr(owner, name)
 
         def counting(*args: Any, _real: Callable[..., Any] = real, **kwargs: Any) -> Any:

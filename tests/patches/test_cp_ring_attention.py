@@ -12,8 +12,9 @@ reaches the functional gather; the predicate refuses a group inside ``_coalescin
 registry's original (a ``staticmethod``). Two real ranks (gloo) gathering inside tiny FLUX models, and a training
 step through diffusers' own backward, run in ``test_fused_context_parallel.py``. The uneven form
 (``TemplatedRingAnythingAttention``, ``ring_anything``): two and three emulated ranks of unequal lengths, batch 2,
-equal to the original with the merges counted; diffusers' merge where ``lse_merge`` does not fit; a mask (the
-original's error), compiling and a dispatch mode handed back; revert puts both forwards back.
+equal to the original, with the merges and the one length exchange per call counted; diffusers' merge where
+``lse_merge`` does not fit; a mask (the original's error), compiling and a dispatch mode handed back; revert puts
+both forwards back.
 """
 from __future__ import annotations
 
@@ -371,14 +372,21 @@ def _uneven_ranks(ring_anything: Any, monkeypatch: pytest.MonkeyPatch, lengths: 
         seen.append(out.shape)
         out.copy_(torch.cat(buffers))
 
+    exchanged: List[Any] = []
+
+    def lengths_of_every_rank(local: Any, group: Any) -> List[List[int]]:
+        exchanged.append(tuple(local))
+        return [[n] for n in lengths]
+
     monkeypatch.setattr(attention_dispatch, "gather_size_by_comm", lambda size, group: list(lengths))
+    monkeypatch.setattr(cp_ring_attention, "ints_of_every_rank", lengths_of_every_rank)
     monkeypatch.setattr(dist, "ProcessGroup", FakeGroup)
     monkeypatch.setattr(dist, "all_gather_single", c10d_gather, raising=False)
     monkeypatch.setattr(funcol, "all_gather_tensor", lambda kv, gather_dim, group: torch.cat(buffers))
     original = getattr(ring_anything.__dict__["forward"], MARK_ORIGINAL)
     patched = cp_ring_attention._anything_replacement(original).__func__
     return types.SimpleNamespace(inputs=inputs, seen=seen, original=original.__func__, patched=patched,
-                                 group=FakeGroup(len(lengths)), buffer_numel=buffers[0].numel())
+                                 group=FakeGroup(len(lengths)), buffer_numel=buffers[0].numel(), exchanged=exchanged)
 
 
 @pytest.mark.parametrize("lengths", [[5, 4], [4, 5], [3, 4, 2]])
@@ -394,6 +402,7 @@ def test_uneven_ranks_merge_as_the_original(ring_anything: Any, monkeypatch: pyt
         _same_ring_result(_ring_call(world.patched, world.inputs[rank], config),
                           _ring_call(world.original, world.inputs[rank], config))
     assert world.seen == [torch.Size([len(lengths) * world.buffer_numel])] * len(lengths)
+    assert world.exchanged == [(n,) for n in lengths]  # each rank's own key length, one exchange per call
     steps = len(lengths) - 1
     assert merges == ([torch.float32] * (steps - 1) + [dtype]) * len(lengths)
 

@@ -30,7 +30,7 @@ import torchpatches  # noqa: E402
 
 from _collectives import Sub  # noqa: E402
 from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
-from torchpatches.patches import cp_ulysses_anything  # noqa: E402
+from torchpatches.patches import _direct_collectives, cp_ulysses_anything  # noqa: E402
 
 
 class Group:
@@ -253,10 +253,10 @@ def test_the_lengths_are_exchanged_where_diffusers_exchanges_them(monkeypatch: p
         out.copy_(torch.cat([mine, mine + 10]))
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(cp_ulysses_anything, "gather_into_tensor", lambda: gather)
+    monkeypatch.setattr(_direct_collectives, "gather_into_tensor", lambda: gather)
     for backend in ("cpu:gloo,cuda:nccl", "gloo"):
         monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
-        assert cp_ulysses_anything._sizes_of_every_rank((5, 7, 7), None) == [[5, 7, 7], [15, 17, 17]]
+        assert _direct_collectives.ints_of_every_rank((5, 7, 7), None) == [[5, 7, 7], [15, 17, 17]]
     accelerator = torch.accelerator.current_accelerator()  # a type ("cuda"); the tensor is on the current device
     assert [d.type for d in devices] == ["cpu", "cpu" if accelerator is None else accelerator.type]
 

@@ -71,7 +71,7 @@ def functional_all_to_all(case: str, which: str) -> List[int]:
 def size_gathers(case: str, which: str) -> List[int]:
     """Exchanges of the ranks' sequence lengths per forward, (unpatched, patched): diffusers' uneven Ulysses asks for
     them once per exchange of q, k, v and the output (and once more for a mask: QwenImage's), ``cp_ulysses_anything``
-    once per attention call; the uneven ring once per call, patched or not."""
+    once per attention call; the uneven ring once per call, patched or not (patched: one read back to the host)."""
     calls = PARALLEL_ATTENTION[which]
     per_call = 5 if which == "qwenimage" else 4
     return {"ulysses-uneven": [per_call * calls, calls], "ring-uneven": [calls, calls]}.get(case, [0, 0])

@@ -10,11 +10,11 @@ callers, next to ``is_compiling`` as the other patches do.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
-__all__ = ["direct_fits", "distributed_missing", "gather_into_tensor"]
+__all__ = ["direct_fits", "distributed_missing", "gather_into_tensor", "ints_of_every_rank"]
 
 #: Python modes on the stack (C queries; a torch without one reports none)
 _function_modes: Callable[[], bool] = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
@@ -60,3 +60,22 @@ def distributed_missing() -> Optional[str]:
     if not torch.distributed.is_available():
         return "torch.distributed is not available in this torch build"
     return None
+
+
+def ints_of_every_rank(local: Sequence[int], group: Any) -> List[List[int]]:
+    """Every rank's ``local`` ints in rank order, gathered where diffusers' ``gather_size_by_comm`` gathers one int
+    (the CPU where the group has a CPU backend, else the accelerator): one collective and one read back to the
+    host, where ``gather_size_by_comm`` makes a pageable host-to-device copy and one ``.item()`` per rank (on an
+    accelerator each of those waits for the GPU)."""
+    import torch.distributed as dist
+
+    world_size = dist.get_world_size(group=group)
+    backends = str(dist.get_backend(group=group))
+    device = "cpu" if "cpu" in backends else torch.accelerator.current_accelerator()
+    mine = torch.empty(len(local), dtype=torch.int64, device=device)
+    for i, value in enumerate(local):
+        mine[i] = value  # a fill: no pageable host-to-device copy (it would wait for the GPU)
+    every = torch.empty(world_size * len(local), dtype=torch.int64, device=device)
+    gather_into_tensor()(every, mine, group=group)
+    flat = every.tolist()
+    return [flat[rank * len(local):(rank + 1) * len(local)] for rank in range(world_size)]

@@ -37,8 +37,10 @@ What the patch changes
       The first partial output is read in the backend's dtype (its fp32 copy is exact), the last merge writes
       the query's dtype (the final cast's rounding).
 
-    Everything else (the ring loop, the uneven form's size gather and padding, what the equal form leaves on ``ctx``
-    for diffusers' unchanged backward) is the original's. The original forward runs under torch.compile (Dynamo
+    The uneven form also exchanges the ranks' key lengths as ``cp_ulysses_anything`` does (``ints_of_every_rank``:
+    one wait for the GPU per call where diffusers' ``gather_size_by_comm`` waits for a pageable copy and once per
+    rank). Everything else (the ring loop, the uneven form's padding and slices, what the equal form leaves on
+    ``ctx`` for diffusers' unchanged backward) is the original's. The original forward runs under torch.compile (Dynamo
     traces the functional collective), under a transform (functorch, forward AD, ``torch.jit.trace``), and for the
     uneven form given a mask (its own ``ValueError``); the functional gather runs, as in the
     original, for what c10d may not replace (``_direct_collectives``: a tensor subclass, a group that is not a
@@ -68,7 +70,7 @@ import torch
 from .._compat import is_compiling
 from .._declare import Patch, Target
 from ..ops._tiers import FLOAT_DTYPES, eager_transforms
-from ._direct_collectives import direct_fits, distributed_missing, gather_into_tensor
+from ._direct_collectives import direct_fits, distributed_missing, gather_into_tensor, ints_of_every_rank
 
 __all__ = ["PATCH"]
 
@@ -220,13 +222,10 @@ def _replacement(original: Any) -> staticmethod:
 
 def _anything_replacement(original: Any) -> staticmethod:
     """``TemplatedRingAnythingAttention.forward`` (shards of any length; forward only, as diffusers')."""
-    import importlib
-
     import torch.distributed as dist
 
     original_forward = original.__func__
     gathered = _gathered_with(dist.ProcessGroup)
-    dispatch = importlib.import_module(_MODULE)
 
     def forward(
         ctx: torch.autograd.function.FunctionCtx,
@@ -259,7 +258,7 @@ def _anything_replacement(original: Any) -> staticmethod:
         ctx._parallel_config = _parallel_config
 
         kv_seq_len = key.shape[1]  # local S_KV (may differ across ranks)
-        all_kv_seq_lens = dispatch.gather_size_by_comm(kv_seq_len, group)  # looked up per call, as the original's
+        all_kv_seq_lens = [rank_len for (rank_len,) in ints_of_every_rank((kv_seq_len,), group)]
         s_max = max(all_kv_seq_lens)
 
         def pad_to_s_max(t: torch.Tensor) -> torch.Tensor:

@@ -49,35 +49,18 @@ When to delete
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List
 
 import torch
 
 from .._compat import is_compiling
 from .._declare import Patch, Target
 from ..ops._tiers import eager_transforms
-from ._direct_collectives import direct_fits, distributed_missing, gather_into_tensor
+from ._direct_collectives import direct_fits, distributed_missing, ints_of_every_rank
 
 __all__ = ["PATCH"]
 
 _MODULE = "diffusers.models.attention_dispatch"
-
-
-def _sizes_of_every_rank(local: Sequence[int], group: Any) -> List[List[int]]:
-    """Every rank's ``local`` ints in rank order, gathered where ``gather_size_by_comm`` gathers one: one
-    collective and one read back to the host."""
-    import torch.distributed as dist
-
-    world_size = dist.get_world_size(group=group)
-    backends = str(dist.get_backend(group=group))
-    device = "cpu" if "cpu" in backends else torch.accelerator.current_accelerator()
-    mine = torch.empty(len(local), dtype=torch.int64, device=device)
-    for i, value in enumerate(local):
-        mine[i] = value  # a fill: no pageable host-to-device copy (it would wait for the GPU)
-    every = torch.empty(world_size * len(local), dtype=torch.int64, device=device)
-    gather_into_tensor()(every, mine, group=group)
-    flat = every.tolist()
-    return [flat[rank * len(local):(rank + 1) * len(local)] for rank in range(world_size)]
 
 
 def _exchange_with(process_group: type, dispatch: Any) -> Callable[..., torch.Tensor]:
@@ -165,7 +148,7 @@ def _replacement(original: Any) -> staticmethod:
         _, S_KV_LOCAL, _, _ = key.shape
 
         metadata = dispatch.ulysses_anything_metadata(query)
-        lengths = _sizes_of_every_rank((query.shape[1], key.shape[1], value.shape[1]), group)
+        lengths = ints_of_every_rank((query.shape[1], key.shape[1], value.shape[1]), group)
         q_lengths, kv_lengths, v_lengths = ([rank[i] for rank in lengths] for i in range(3))
         query = qkv_to_heads(query, q_lengths, group)
         key = qkv_to_heads(key, kv_lengths, group)
