@@ -9,18 +9,19 @@ What goes wrong upstream
     ``gather_size_by_comm``. On an NCCL group each of those is a host synchronisation: the length goes to the GPU
     through a pageable copy, is all-gathered, and comes back as one ``.item()`` per rank -- about twelve waits for
     the GPU per attention call on two ranks, so the host cannot run ahead of the GPU. On two H200s FLUX.1-dev's step
-    took 346-361 ms with ``ulysses_anything`` against 167 ms under plain Ulysses with the same (even) shards, and
-    ``cpu:gloo,cuda:nccl`` (diffusers' own remedy: the lengths over gloo) measured the same, 346 ms
-    (docs/fused.md, "Uneven shards, round 11"). The exchanges themselves go through the functional collectives
+    took 361-373 ms with ``ulysses_anything`` against 167-236 ms under plain Ulysses with the same (even) shards,
+    torchpatches' fused glue made it slower still (1.05x / 1.11x: the GPU time it saves no longer overlaps anything),
+    and ``cpu:gloo,cuda:nccl`` (diffusers' own remedy: the lengths over gloo) measured 346-391 ms (docs/fused.md,
+    "Uneven shards, round 11"). The exchanges themselves go through the functional collectives
     (``cp_all_to_all``'s banner says what that costs in eager). No upstream issue as of diffusers 0.42.1.
 
 What the patch changes
     ``TemplatedUlyssesAnythingAttention.forward`` is diffusers 0.42.1's code with, in eager:
 
-    - one exchange of every rank's (query, key, value) lengths per attention call, on the device
-      ``gather_size_by_comm`` picks (the CPU where the group has a CPU backend, else the accelerator), written there
-      by fills instead of a pageable copy and read back with one ``tolist()``: one wait for the GPU per call instead
-      of about twelve. The output's and the log-sum-exp's input splits are the query lengths, the mask's the key
+    - one exchange of every rank's (query, key, value) lengths per attention call (``ints_of_every_rank``), on the
+      device ``gather_size_by_comm`` picks (the CPU where the group has a CPU backend, else the accelerator), written
+      there by fills instead of a pageable copy and read back with one ``tolist()``: one wait for the GPU per call
+      instead of about twelve. The output's and the log-sum-exp's input splits are the query lengths, the mask's the key
       lengths (the mask branch runs only where a mask is as long as the local keys), as diffusers gathers them;
     - the all-to-alls of q, k, v, the output and the log-sum-exp through ``torch.distributed.all_to_all_single``
       with diffusers' split sizes into a new tensor (data movement only: the same values bit for bit), where c10d
@@ -40,7 +41,8 @@ Versions
     diffusers 0.40 - 0.42: ``TemplatedUlyssesAnythingAttention.forward`` fingerprinted in 0.40.0 (its source differs
     from 0.41's by the return annotation only), 0.41.0, 0.42.0 and 0.42.1 (tools/fingerprint_diffusers.py); the
     helpers it calls (``ulysses_anything_metadata``, the head padding, ``all_to_all_single_any_qkv_async`` /
-    ``_o_async`` whose bodies the patch runs with the lengths given) read in 0.40.0 and 0.42.1, the same code. Any torch with ``torch.distributed`` and ``torch.accelerator``.
+    ``_o_async`` whose bodies the patch runs with the lengths given) read in 0.40.0 and 0.42.1, the same code. Any
+    torch with ``torch.distributed`` and ``torch.accelerator``.
 
 When to delete
     When diffusers exchanges the lengths once per attention call (or per forward) without a host round trip per
