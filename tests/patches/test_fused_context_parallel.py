@@ -9,8 +9,9 @@ norm / activation patterns and the processors' q/k stretch ran on that rank's sh
 passing diffusers' attention call what diffusers' processors pass (their ``_parallel_config``; Wan's cross-attention
 none; QwenImage's joint text mask, split with the text, two of its tokens masked); Ulysses' all-to-alls went through
 c10d (``cp_all_to_all``), also in the backward of a training step, and so did ring attention's key/value gathers
-(``cp_ring_attention``, even and uneven shards), whose forward leaves diffusers' own ring backward what it reads (output and input gradient
-of a training step bit-identical, in both modes). What diffusers 0.42.1 lacks on a CPU-only host, and what the ranks
+(``cp_ring_attention``, even and uneven shards), whose forward leaves diffusers' own ring backward what it reads
+(output and input gradient of a training step bit-identical, in both modes); uneven Ulysses exchanged the ranks'
+lengths once per attention call (``cp_ulysses_anything``). What diffusers 0.42.1 lacks on a CPU-only host, and what the ranks
 supply, is in ``_context_parallel.py``.
 
 One fork of two ranks serves every case (about 6 s on 2 shared cores, the imports included). The result does not

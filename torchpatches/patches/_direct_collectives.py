@@ -1,5 +1,6 @@
 """When one of diffusers' context-parallel collectives may go through c10d directly instead of the functional
-collectives: the conditions ``cp_all_to_all``, ``cp_ring_attention`` and ``cp_ulysses_anything`` share (their banners say why each one).
+collectives: the conditions ``cp_all_to_all``, ``cp_ring_attention`` and ``cp_ulysses_anything`` share (their
+banners say why each one); and the ranks' lengths exchanged with one read back to the host (``ints_of_every_rank``).
 
 The functional collectives are what Dynamo traces and what autograd, transforms, Python modes and tensor subclasses
 see; c10d's synchronous collective is the same data movement without their Python layer. So c10d may stand in only
