@@ -135,7 +135,8 @@ def _threaded(monkeypatch: pytest.MonkeyPatch, cls: Any, n: int) -> Any:
     monkeypatch.setattr(dist, "ProcessGroup", Group)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: n)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: ranks.rank())
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    # a CPU backend in the group: the lengths are exchanged on the CPU, whatever accelerator this torch was built for
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
     monkeypatch.setattr(dist, "all_to_all_single", ranks.c10d_all_to_all)
     monkeypatch.setattr(dist, "all_gather", ranks.all_gather)
     monkeypatch.setattr(dist, "all_gather_single", ranks.gather_into, raising=False)
@@ -244,21 +245,25 @@ def test_what_the_patch_hands_back_runs_the_original(ulysses_anything: Any, monk
 
 
 def test_the_lengths_are_exchanged_where_diffusers_exchanges_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the CPU when the group has a CPU backend (gloo), else on the accelerator, as ``gather_size_by_comm``; one
-    collective, and the local tensor written without a host copy."""
-    devices: List[Any] = []
+    """On the CPU when the group has a CPU backend (``cpu:gloo,cuda:nccl``), else on the accelerator torch names
+    (``torch.accelerator.current_accelerator()``), as ``gather_size_by_comm`` does; one collective, read back once."""
+    asked: List[str] = []
+
+    def accelerator() -> torch.device:
+        asked.append("accelerator")
+        return torch.device("cpu")  # stands in for the GPU this host may not have
 
     def gather(out: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
-        devices.append(mine.device)
+        asked.append(f"gather on {mine.device.type}")
         out.copy_(torch.cat([mine, mine + 10]))
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", accelerator)
     monkeypatch.setattr(_direct_collectives, "gather_into_tensor", lambda: gather)
-    for backend in ("cpu:gloo,cuda:nccl", "gloo"):
+    for backend in ("cpu:gloo,cuda:nccl", "nccl"):
         monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
         assert _direct_collectives.ints_of_every_rank((5, 7, 7), None) == [[5, 7, 7], [15, 17, 17]]
-    accelerator = torch.accelerator.current_accelerator()  # a type ("cuda"); the tensor is on the current device
-    assert [d.type for d in devices] == ["cpu", "cpu" if accelerator is None else accelerator.type]
+    assert asked == ["gather on cpu", "accelerator", "gather on cpu"]
 
 
 def test_revert_puts_the_original_staticmethod_back(ulysses_anything: Any) -> None:
