@@ -13,6 +13,7 @@
 #   qwen-graphed  Qwen-Image 1024x1024, Ulysses, also through cuda_graphs.graphed, with and without
 #               qwenimage_text_seq_len (without it the capture fails and the graphed rows run eagerly)
 #   rings       FLUX.1-dev, ring / ring_anything, with and without cp_ring_attention
+#   qwen-compile  one GPU: benchmarks/qwen_compile_probe.py, then the CPU-only-green compile test of tiny QwenImage
 # Each part's arguments: FLUX1_ARGS, GLOO_ARGS, FLUX2_ARGS, QWEN_ARGS, QWEN_GRAPHED_ARGS, RINGS_ARGS replace the
 # defaults. Writes under
 # $OUT.
@@ -50,6 +51,14 @@ for part in $PARTS; do
         --variants vanilla,all,-qwenimage_text_seq_len $COMMON};;
     rings) run_cp rings flux1 240 ${RINGS_ARGS:---modes ring,ring_anything \
         --variants vanilla,all,-cp_ring_attention $COMMON};;
+    qwen-compile)
+        timeout 200 python3 benchmarks/qwen_compile_probe.py --device cuda --json "$OUT/qwen-compile-probe.json" \
+            > "$OUT/qwen-compile-probe.txt" 2>&1
+        echo "== qwen_compile_probe: exit $?"; grep -v Warning "$OUT/qwen-compile-probe.txt" | tail -30
+        TORCHPATCHES_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
+            tests/patches/test_fused_qwenimage.py -k test_compile_same_kernels_and_outputs \
+            > "$OUT/pytest-qwen-compile.txt" 2>&1
+        echo "== pytest qwen compile: exit $?"; tail -3 "$OUT/pytest-qwen-compile.txt";;
     *) echo "unknown part $part"; exit 2;;
     esac
 done
