@@ -57,7 +57,8 @@ EXTRA: dict = {}
 #: marker by_diffusers), the doctor on a diffusers model. Older releases install over the [test] extra's pin.
 _PER_RELEASE = [
     ["tests/patches/test_rope_patch.py", "tests/patches/test_compile_warnings.py", "tests/patches/test_cp_all_to_all.py",
-     "tests/patches/test_cp_ring_attention.py", "-m", f"{FAST} or by_diffusers"],
+     "tests/patches/test_cp_ring_attention.py", "tests/patches/test_cp_ulysses_anything.py",
+     "tests/patches/test_qwenimage_text_seq_len.py", "-m", f"{FAST} or by_diffusers"],
     ["tests/test_doctor.py", "-k", "flux", "-m", FAST],
 ]
 DIFFUSERS = {
