@@ -61,15 +61,18 @@ class Ranks:
         with self.lock:
             self.calls[what] += 1
 
-    def everyone(self, mine: Any) -> List[Any]:
-        self.slots[self.rank()] = mine
+    def everyone(self, mine: Any, collective: str) -> List[Any]:
+        """Every rank's ``mine``; every rank must be in the same collective (else the real ones would hang)."""
+        self.slots[self.rank()] = (collective, mine)
         self.barrier.wait()
         got = list(self.slots)
         self.barrier.wait()
-        return got
+        assert {name for name, _ in got} == {collective}, f"ranks in different collectives: {got}"
+        return [value for _, value in got]
 
     def exchanged(self, x: torch.Tensor, output_split_sizes: List[int], input_split_sizes: List[int]) -> torch.Tensor:
-        parts = [src.split(splits)[self.rank()] for src, splits in self.everyone((x, input_split_sizes))]
+        everyone = self.everyone((x, input_split_sizes), "all_to_all")
+        parts = [src.split(splits)[self.rank()] for src, splits in everyone]
         assert [p.shape[0] for p in parts] == list(output_split_sizes)  # the splits every rank gave agree
         return torch.cat(parts)
 
@@ -86,16 +89,16 @@ class Ranks:
 
     def all_gather(self, tensors: List[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
         self.count("all_gather")
-        for out, got in zip(tensors, self.everyone(tensor.clone())):
+        for out, got in zip(tensors, self.everyone(tensor.clone(), "all_gather")):
             out.copy_(got)
 
     def gather_into(self, out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
         self.count("patch length exchanges")
-        out.copy_(torch.cat(self.everyone(tensor.clone())))
+        out.copy_(torch.cat(self.everyone(tensor.clone(), "lengths")))
 
     def gather_size_by_comm(self, size: int, group: Any) -> List[int]:
         self.count("diffusers length exchanges")
-        return [int(s) for s in self.everyone(size)]
+        return [int(s) for s in self.everyone(size, "lengths")]
 
     def run(self, fn: Callable[[int], Any]) -> List[Any]:
         results: List[Any] = [None] * self.n
@@ -167,17 +170,23 @@ def _config(group: Group) -> Any:
     return types.SimpleNamespace(context_parallel_config=cp)
 
 
+def _key_mask(length: int, generator: torch.Generator) -> torch.Tensor:
+    mask = torch.rand(2, 1, 1, length, generator=generator) > 0.3
+    mask[..., 0] = True  # no query without a key
+    return mask
+
+
 def _inputs(q_lengths: List[int], kv_lengths: List[int], heads: int, dtype: torch.dtype,
-            masked: bool) -> List[List[Optional[torch.Tensor]]]:
+            mask: str) -> List[List[Optional[torch.Tensor]]]:
+    """Each rank's q, k, v and mask: none, ``local`` (the rank's own keys: diffusers gathers it) or ``global`` (all
+    keys, the same on every rank: passed on as it is)."""
     generator = torch.Generator().manual_seed(len(q_lengths) * 10 + heads)
+    every_key = _key_mask(sum(kv_lengths), generator) if mask == "global" else None
     per_rank = []
     for sq, skv in zip(q_lengths, kv_lengths):
         q = torch.randn(2, sq, heads, 8, generator=generator).to(dtype)
         k, v = (torch.randn(2, skv, heads, 8, generator=generator).to(dtype) for _ in range(2))
-        mask = torch.rand(2, 1, 1, skv, generator=generator) > 0.3 if masked else None
-        if mask is not None:
-            mask[..., 0] = True  # no row without a key
-        per_rank.append([q, k, v, mask])
+        per_rank.append([q, k, v, _key_mask(skv, generator) if mask == "local" else every_key])
     return per_rank
 
 
@@ -193,12 +202,14 @@ def _forward(ranks: Ranks, fn: Callable[..., Any], inputs: List[List[Any]], retu
 
 
 CASES = {
-    # name: (query lengths per rank, key lengths per rank, heads, masked)
-    "two ranks": ([5, 4], [5, 4], 4, False),
-    "keys of other lengths": ([5, 4], [3, 6], 4, False),
-    "three ranks, heads padded": ([3, 4, 2], [6, 1, 4], 5, False),
-    "a key mask": ([5, 4], [5, 4], 4, True),
-    "a key mask, keys of other lengths": ([5, 4], [3, 6], 4, True),
+    # name: (query lengths per rank, key lengths per rank, heads, mask)
+    "two ranks": ([5, 4], [5, 4], 4, ""),
+    "keys of other lengths": ([5, 4], [3, 6], 4, ""),
+    "three ranks, heads padded": ([3, 4, 2], [6, 1, 4], 5, ""),
+    "a key mask": ([5, 4], [5, 4], 4, "local"),
+    "a key mask, keys of other lengths": ([5, 4], [3, 6], 4, "local"),
+    "a mask over every key": ([5, 4], [3, 6], 4, "global"),
+    "a rank without tokens": ([4, 0], [4, 0], 4, ""),
 }
 
 
@@ -208,9 +219,9 @@ CASES = {
 def test_one_length_exchange_per_call_gives_the_original_result(ulysses_anything: Any,
                                                                 monkeypatch: pytest.MonkeyPatch, case: str,
                                                                 dtype: torch.dtype, return_lse: bool) -> None:
-    q_lengths, kv_lengths, heads, masked = CASES[case]
+    q_lengths, kv_lengths, heads, mask = CASES[case]
     ranks = _threaded(monkeypatch, ulysses_anything, len(q_lengths))
-    inputs = _inputs(q_lengths, kv_lengths, heads, dtype, masked)
+    inputs = _inputs(q_lengths, kv_lengths, heads, dtype, mask)
     expected = _forward(ranks, ranks.original, inputs, return_lse)
     original_calls = dict(ranks.calls)
     ranks.calls.clear()
@@ -220,12 +231,15 @@ def test_one_length_exchange_per_call_gives_the_original_result(ulysses_anything
         for a, b in zip(e, g):
             assert type(b) is torch.Tensor and b.dtype == a.dtype and b.shape == a.shape, rank
             assert torch.equal(b, a), rank
-    n, exchanges = len(q_lengths), 4 + return_lse
-    # the original asks for the lengths once per exchange (and once for the mask), the patch once per call
-    assert original_calls.get("diffusers length exchanges") == n * (exchanges + masked)
+    n, exchanges, gathers_mask = len(q_lengths), 4 + return_lse, mask == "local"
+    # the original asks for the lengths once per exchange (and once for a local mask), the patch once per call
+    assert original_calls.get("diffusers length exchanges") == n * (exchanges + gathers_mask)
     assert original_calls.get("functional all_to_all") == n * exchanges
-    assert dict(ranks.calls) == {"patch length exchanges": n, "c10d all_to_all": n * exchanges,
-                                 **({"all_gather": n} if masked else {})}
+    # c10d for every exchange but the empty ones (q, k, v of a rank without tokens): the functional collective
+    empty = 3 * q_lengths.count(0)
+    assert dict(ranks.calls) == {"patch length exchanges": n, "c10d all_to_all": n * exchanges - empty,
+                                 **({"functional all_to_all": empty} if empty else {}),
+                                 **({"all_gather": n} if gathers_mask else {})}
 
 
 @pytest.mark.parametrize("case", ["compiling", "subclass"])
@@ -234,7 +248,7 @@ def test_what_the_patch_hands_back_runs_the_original(ulysses_anything: Any, monk
     """Under torch.compile (what Dynamo's constant-folded check reads) and for tensor subclasses: the original
     forward, its four length exchanges per call included."""
     ranks = _threaded(monkeypatch, ulysses_anything, 2)
-    inputs = _inputs([5, 4], [5, 4], 4, torch.float32, False)
+    inputs = _inputs([5, 4], [5, 4], 4, torch.float32, "")
     if case == "compiling":
         monkeypatch.setattr(cp_ulysses_anything, "is_compiling", lambda: True)
     else:
@@ -242,6 +256,59 @@ def test_what_the_patch_hands_back_runs_the_original(ulysses_anything: Any, monk
     got = _forward(ranks, ranks.patched, inputs, False)
     assert ranks.calls["diffusers length exchanges"] == 8 and ranks.calls["patch length exchanges"] == 0
     assert all(g.shape == (2, n, 4, 8) for g, n in zip(got, (5, 4)))
+
+
+def test_through_apply_with_inputs_that_require_grad(ulysses_anything: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As diffusers calls it (``TemplatedUlyssesAnythingAttention.apply``, grad mode, inputs requiring grad): the
+    forward runs with grad off, so the patch serves it; the output and its autograd node are the original's (whose
+    backward diffusers has not implemented)."""
+    ranks = _threaded(monkeypatch, ulysses_anything, 2)
+    inputs = [[t.requires_grad_() for t in qkv[:3]] + [None] for qkv in _inputs([5, 4], [3, 6], 4, torch.float32, "")]
+    config = _config(ranks.group)
+
+    def call(rank: int) -> torch.Tensor:
+        q, k, v, _ = inputs[rank]
+        return ulysses_anything.apply(q, k, v, None, 0.0, False, None, False, False, _attention, None, config)
+
+    with torchpatches.disabled("cp_ulysses_anything"):
+        expected = ranks.run(call)
+    assert ranks.calls["diffusers length exchanges"] == 8 and ranks.calls["patch length exchanges"] == 0
+    ranks.calls.clear()
+    got = ranks.run(call)
+    assert ranks.calls["patch length exchanges"] == 2 and ranks.calls["diffusers length exchanges"] == 0
+    for e, g in zip(expected, got):
+        assert torch.equal(g, e) and g.requires_grad and type(g.grad_fn) is type(e.grad_fn)
+    with pytest.raises(NotImplementedError):
+        got[0].sum().backward()
+
+
+def test_the_lengths_are_written_on_the_device_without_a_host_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each length is a fill (a kernel argument): ``t[i] = value`` would be a copy from a CPU scalar tensor, which on a
+    GPU is a blocking host-to-device copy (the wait the patch is there to remove)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: List[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    before_gather: List[str] = []
+
+    def gather(out: torch.Tensor, mine: torch.Tensor, group: Any = None) -> None:
+        before_gather.extend(ops.seen)
+        out.copy_(torch.cat([mine, mine]))
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    monkeypatch.setattr(_direct_collectives, "gather_into_tensor", lambda: gather)
+    with Ops() as ops:
+        assert _direct_collectives.ints_of_every_rank((5, 7, 9), None) == [[5, 7, 9], [5, 7, 9]]
+    assert before_gather.count("aten.fill_.Scalar") == 3
+    assert not [op for op in before_gather if "copy" in op or "lift_fresh" in op], before_gather
 
 
 def test_the_lengths_are_exchanged_where_diffusers_exchanges_them(monkeypatch: pytest.MonkeyPatch) -> None:

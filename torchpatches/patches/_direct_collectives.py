@@ -75,7 +75,9 @@ def ints_of_every_rank(local: Sequence[int], group: Any) -> List[List[int]]:
     device = "cpu" if "cpu" in backends else torch.accelerator.current_accelerator()
     mine = torch.empty(len(local), dtype=torch.int64, device=device)
     for i, value in enumerate(local):
-        mine[i] = value  # a fill: no pageable host-to-device copy (it would wait for the GPU)
+        # fill_ takes the int as a kernel argument; ``mine[i] = value`` would copy a CPU scalar tensor to the
+        # device, and torch's blocking copy waits for the GPU
+        mine[i].fill_(value)
     every = torch.empty(world_size * len(local), dtype=torch.int64, device=device)
     gather_into_tensor()(every, mine, group=group)
     flat = every.tolist()

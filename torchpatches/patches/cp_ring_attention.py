@@ -38,12 +38,12 @@ What the patch changes
       the query's dtype (the final cast's rounding).
 
     The uneven form also exchanges the ranks' key lengths as ``cp_ulysses_anything`` does (``ints_of_every_rank``:
-    one wait for the GPU per call where diffusers' ``gather_size_by_comm`` waits for a pageable copy and once per
-    rank). Everything else (the ring loop, the uneven form's padding and slices, what the equal form leaves on
-    ``ctx`` for diffusers' unchanged backward) is the original's. The original forward runs under torch.compile (Dynamo
-    traces the functional collective), under a transform (functorch, forward AD, ``torch.jit.trace``), and for the
-    uneven form given a mask (its own ``ValueError``); the functional gather runs, as in the
-    original, for what c10d may not replace (``_direct_collectives``: a tensor subclass, a group that is not a
+    one wait for the GPU per call, the read back, where diffusers' ``gather_size_by_comm`` waits for a pageable
+    copy and once per rank). Everything else (the ring loop, the uneven form's padding and slices, what the equal
+    form leaves on ``ctx`` for diffusers' unchanged backward) is the original's. The original forward runs under
+    torch.compile (Dynamo traces the functional collective), under a transform (functorch, forward AD,
+    ``torch.jit.trace``), and for the uneven form given a mask (its own ``ValueError``); the functional gather runs,
+    as in the original, for what c10d may not replace (``_direct_collectives``: a tensor subclass, a group that is not a
     ``ProcessGroup``, a Python torch-function or dispatch mode, complex or empty buffers, a
     ``_coalescing_manager`` block, CUDA-graph capture); diffusers' merge runs without ``convert_to_fp32``, for
     one rank, and for results whose log-sum-exp is not ``[B, S, H]`` (or ``[B, S, H, 1]``) plain float tensors
@@ -103,13 +103,19 @@ def _gathered_with(process_group: type) -> Any:
     return gathered
 
 
+def _lse_merge() -> Callable[..., Tuple[torch.Tensor, torch.Tensor]]:
+    # registers its torch.library op: loaded with the targets (each replacement calls this once), not the package
+    from ..ops.lse_merge import lse_merge
+
+    return lse_merge
+
+
 def _ring_loop(ctx: Any, query: torch.Tensor, step_kv: Callable[[int], Tuple[torch.Tensor, torch.Tensor]],
                attn_mask: Any, dropout_p: float, is_causal: bool, scale: Any, enable_gqa: bool, forward_op: Any,
-               _parallel_config: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+               _parallel_config: Any, lse_merge: Callable[..., Tuple[torch.Tensor, torch.Tensor]]
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """diffusers 0.42.1's ring loop, shared by both templates: attention over each step's keys and values
     (``step_kv(i)``), the partial results merged by their log-sum-exps -- by ``lse_merge`` where it fits."""
-    from ..ops.lse_merge import lse_merge  # registers its torch.library op: loaded with the target, not the package
-
     world_size = _parallel_config.context_parallel_config.ring_degree
     convert_to_fp32 = _parallel_config.context_parallel_config.convert_to_fp32
     prev_out = prev_lse = None
@@ -165,6 +171,8 @@ def _replacement(original: Any) -> staticmethod:
     """``TemplatedRingAttention.forward`` (equal shards)."""
     import torch.distributed as dist
 
+    lse_merge = _lse_merge()
+
     original_forward = original.__func__
     gathered = _gathered_with(dist.ProcessGroup)
 
@@ -208,7 +216,7 @@ def _replacement(original: Any) -> staticmethod:
             return kv[:key_numel].reshape_as(key), kv[key_numel:].reshape_as(value)
 
         out, lse = _ring_loop(ctx, query, step_kv, attn_mask, dropout_p, is_causal, scale, enable_gqa, forward_op,
-                              _parallel_config)
+                              _parallel_config, lse_merge)
 
         # diffusers' backward reconstructs each ring iteration from the reduced out / lse.
         ctx.ring_out = out.detach()
@@ -223,6 +231,8 @@ def _replacement(original: Any) -> staticmethod:
 def _anything_replacement(original: Any) -> staticmethod:
     """``TemplatedRingAnythingAttention.forward`` (shards of any length; forward only, as diffusers')."""
     import torch.distributed as dist
+
+    lse_merge = _lse_merge()
 
     original_forward = original.__func__
     gathered = _gathered_with(dist.ProcessGroup)
@@ -285,7 +295,7 @@ def _anything_replacement(original: Any) -> staticmethod:
                     kv[kv_padded_numel:].reshape_as(value_padded)[:, :true_seq_len])
 
         out, lse = _ring_loop(ctx, query, step_kv, attn_mask, dropout_p, is_causal, scale, enable_gqa, forward_op,
-                              _parallel_config)
+                              _parallel_config, lse_merge)
         return (out, lse) if return_lse else out
 
     forward.__doc__ = original_forward.__doc__

@@ -33,9 +33,10 @@ What the patch changes
     ``torch.jit.trace``) and for inputs that are not plain tensors.
 
     Every rank must run the same forward: the patch makes one collective where the original made four, so a rank
-    with it and a rank without it (``TORCHPATCHES_DISABLE`` set on one rank only) wait for each other forever. Its
-    choices depend only on what is equal on every rank (compiling, transforms, tensor types), never on a rank's own
-    sequence length.
+    with it and a rank without it (``TORCHPATCHES_DISABLE`` set on one rank only) wait for each other forever.
+    Whether it runs depends only on what is equal on every rank (compiling, transforms, tensor types), never on a
+    rank's own sequence length; per exchange a rank may take c10d or the functional collective (a rank without
+    tokens takes the functional one), which is the same all-to-all on the same group either way.
 
 Versions
     diffusers 0.40 - 0.42: ``TemplatedUlyssesAnythingAttention.forward`` fingerprinted in 0.40.0 (its source differs

@@ -12,9 +12,11 @@ What goes wrong upstream
 
 What the patch changes
     The same function with that scalar made on the device by a fill (``position_ids.new_full((), text_seq_len)``:
-    int64, as ``as_tensor`` of an int, on the mask's device): the same three results, bit for bit, without the copy.
+    int64, as ``as_tensor`` of an int, on the hidden states' device): the same three results, bit for bit, without
+    the copy.
     The original runs under torch.compile (Dynamo traces diffusers' code). ``controlnet_qwenimage``, which imports the
-    function by name, gets the replacement too.
+    function by name, gets the replacement too. Not patched: ``transformer_nucleusmoe_image``'s own copy of the
+    function (``_compute_text_seq_len_from_mask``), which makes the same copy.
 
 Versions
     diffusers 0.38 - 0.42: ``compute_text_seq_len_from_mask`` fingerprinted in 0.38.0, 0.39.0, 0.40.0, 0.41.0, 0.42.0
