@@ -167,12 +167,14 @@ def _ring_loop(ctx: Any, query: torch.Tensor, step_kv: Callable[[int], Tuple[tor
     return out, lse
 
 
-def _replacement(original: Any) -> staticmethod:
-    """``TemplatedRingAttention.forward`` (equal shards)."""
+def _ring_forward(original: Any, key_values: Callable[..., Callable[[int], Tuple[torch.Tensor, torch.Tensor]]],
+                  takes_mask: bool, keeps_result: bool) -> staticmethod:
+    """A replacement of one template's forward: diffusers' step-aside cases, what it leaves on ``ctx``, the ring loop
+    over ``key_values(...)``'s per-step keys and values, and (``keeps_result``) the reduced result its backward reads.
+    Without ``takes_mask`` a mask hands the call to the original (its own error)."""
     import torch.distributed as dist
 
     lse_merge = _lse_merge()
-
     original_forward = original.__func__
     gathered = _gathered_with(dist.ProcessGroup)
 
@@ -191,13 +193,11 @@ def _replacement(original: Any) -> staticmethod:
         backward_op: Any,
         _parallel_config: Any = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if is_compiling() or eager_transforms():
+        if is_compiling() or eager_transforms() or (attn_mask is not None and not takes_mask):
             return original_forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                     return_lse, forward_op, backward_op, _parallel_config)
         # From here on diffusers 0.42.1's code, but for the gather and the merge.
-        ring_mesh = _parallel_config.context_parallel_config._ring_mesh
-        rank = _parallel_config.context_parallel_config._ring_local_rank
-        world_size = _parallel_config.context_parallel_config.ring_degree
+        config = _parallel_config.context_parallel_config
 
         ctx.forward_op = forward_op
         ctx.backward_op = backward_op
@@ -205,101 +205,80 @@ def _replacement(original: Any) -> staticmethod:
         ctx.kv_shape = key.shape
         ctx._parallel_config = _parallel_config
 
-        kv_buffer = torch.cat([key.flatten(), value.flatten()]).contiguous()
-        kv_buffer = gathered(kv_buffer, ring_mesh.get_group()).chunk(world_size)
-        key_numel = key.numel()
-
-        def step_kv(i: int) -> Tuple[torch.Tensor, torch.Tensor]:
-            if i == 0:
-                return key, value
-            kv = kv_buffer[(rank + i) % world_size]
-            return kv[:key_numel].reshape_as(key), kv[key_numel:].reshape_as(value)
-
+        step_kv = key_values(key, value, gathered, config._ring_mesh.get_group(), config._ring_local_rank,
+                             config.ring_degree)
         out, lse = _ring_loop(ctx, query, step_kv, attn_mask, dropout_p, is_causal, scale, enable_gqa, forward_op,
                               _parallel_config, lse_merge)
-
-        # diffusers' backward reconstructs each ring iteration from the reduced out / lse.
-        ctx.ring_out = out.detach()
-        ctx.ring_lse = lse.detach()
+        if keeps_result:
+            # diffusers' backward reconstructs each ring iteration from the reduced out / lse.
+            ctx.ring_out = out.detach()
+            ctx.ring_lse = lse.detach()
 
         return (out, lse) if return_lse else out
 
     forward.__doc__ = original_forward.__doc__
     return staticmethod(forward)
+
+
+def _equal_shards(key: torch.Tensor, value: torch.Tensor, gathered: Callable[..., torch.Tensor], group: Any,
+                  rank: int, world_size: int) -> Callable[[int], Tuple[torch.Tensor, torch.Tensor]]:
+    """``TemplatedRingAttention``'s keys and values per ring step: the local ones, then each rank's chunk of the
+    gathered buffer."""
+    kv_buffer = torch.cat([key.flatten(), value.flatten()]).contiguous()
+    kv_buffer = gathered(kv_buffer, group).chunk(world_size)
+    key_numel = key.numel()
+
+    def step_kv(i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if i == 0:
+            return key, value
+        kv = kv_buffer[(rank + i) % world_size]
+        return kv[:key_numel].reshape_as(key), kv[key_numel:].reshape_as(value)
+
+    return step_kv
+
+
+def _any_shards(key: torch.Tensor, value: torch.Tensor, gathered: Callable[..., torch.Tensor], group: Any,
+                rank: int, world_size: int) -> Callable[[int], Tuple[torch.Tensor, torch.Tensor]]:
+    """``TemplatedRingAnythingAttention``'s: every rank's buffer padded to the longest, each cut back to its rank's
+    length."""
+    kv_seq_len = key.shape[1]  # local S_KV (may differ across ranks)
+    all_kv_seq_lens = [rank_len for (rank_len,) in ints_of_every_rank((kv_seq_len,), group)]
+    s_max = max(all_kv_seq_lens)
+
+    def pad_to_s_max(t: torch.Tensor) -> torch.Tensor:
+        pad_len = s_max - t.shape[1]
+        if pad_len == 0:
+            return t
+        pad_shape = (t.shape[0], pad_len, *t.shape[2:])
+        return torch.cat([t, t.new_zeros(pad_shape)], dim=1)
+
+    key_padded = pad_to_s_max(key)
+    value_padded = pad_to_s_max(value)
+
+    kv_buffer = torch.cat([key_padded.flatten(), value_padded.flatten()]).contiguous()
+    kv_buffer = gathered(kv_buffer, group).chunk(world_size)
+    kv_padded_numel = key_padded.numel()
+
+    def step_kv(i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if i == 0:  # the local (unpadded) key and value
+            return key_padded[:, :kv_seq_len], value_padded[:, :kv_seq_len]
+        other = (rank + i) % world_size
+        true_seq_len = all_kv_seq_lens[other]
+        kv = kv_buffer[other]
+        return (kv[:kv_padded_numel].reshape_as(key_padded)[:, :true_seq_len],
+                kv[kv_padded_numel:].reshape_as(value_padded)[:, :true_seq_len])
+
+    return step_kv
+
+
+def _replacement(original: Any) -> staticmethod:
+    """``TemplatedRingAttention.forward`` (equal shards)."""
+    return _ring_forward(original, _equal_shards, takes_mask=True, keeps_result=True)
 
 
 def _anything_replacement(original: Any) -> staticmethod:
     """``TemplatedRingAnythingAttention.forward`` (shards of any length; forward only, as diffusers')."""
-    import torch.distributed as dist
-
-    lse_merge = _lse_merge()
-
-    original_forward = original.__func__
-    gathered = _gathered_with(dist.ProcessGroup)
-
-    def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-        dropout_p: float,
-        is_causal: bool,
-        scale: float | None,
-        enable_gqa: bool,
-        return_lse: bool,
-        forward_op: Any,
-        backward_op: Any,
-        _parallel_config: Any = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if is_compiling() or eager_transforms() or attn_mask is not None:  # a mask: the original's ValueError
-            return original_forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                    return_lse, forward_op, backward_op, _parallel_config)
-        # From here on diffusers 0.42.1's code, but for the gather and the merge.
-        ring_mesh = _parallel_config.context_parallel_config._ring_mesh
-        group = ring_mesh.get_group()
-        rank = _parallel_config.context_parallel_config._ring_local_rank
-        world_size = _parallel_config.context_parallel_config.ring_degree
-
-        ctx.forward_op = forward_op
-        ctx.backward_op = backward_op
-        ctx.q_shape = query.shape
-        ctx.kv_shape = key.shape
-        ctx._parallel_config = _parallel_config
-
-        kv_seq_len = key.shape[1]  # local S_KV (may differ across ranks)
-        all_kv_seq_lens = [rank_len for (rank_len,) in ints_of_every_rank((kv_seq_len,), group)]
-        s_max = max(all_kv_seq_lens)
-
-        def pad_to_s_max(t: torch.Tensor) -> torch.Tensor:
-            pad_len = s_max - t.shape[1]
-            if pad_len == 0:
-                return t
-            pad_shape = (t.shape[0], pad_len, *t.shape[2:])
-            return torch.cat([t, t.new_zeros(pad_shape)], dim=1)
-
-        key_padded = pad_to_s_max(key)
-        value_padded = pad_to_s_max(value)
-
-        kv_buffer = torch.cat([key_padded.flatten(), value_padded.flatten()]).contiguous()
-        kv_buffer = gathered(kv_buffer, group).chunk(world_size)
-        kv_padded_numel = key_padded.numel()
-
-        def step_kv(i: int) -> Tuple[torch.Tensor, torch.Tensor]:
-            if i == 0:  # the local (unpadded) key and value
-                return key_padded[:, :kv_seq_len], value_padded[:, :kv_seq_len]
-            other = (rank + i) % world_size
-            true_seq_len = all_kv_seq_lens[other]
-            kv = kv_buffer[other]
-            return (kv[:kv_padded_numel].reshape_as(key_padded)[:, :true_seq_len],
-                    kv[kv_padded_numel:].reshape_as(value_padded)[:, :true_seq_len])
-
-        out, lse = _ring_loop(ctx, query, step_kv, attn_mask, dropout_p, is_causal, scale, enable_gqa, forward_op,
-                              _parallel_config, lse_merge)
-        return (out, lse) if return_lse else out
-
-    forward.__doc__ = original_forward.__doc__
-    return staticmethod(forward)
+    return _ring_forward(original, _any_shards, takes_mask=False, keeps_result=False)
 
 
 PATCH = Patch(
