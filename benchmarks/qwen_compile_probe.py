@@ -25,7 +25,7 @@ import _bench  # noqa: E402,I001  (before torch: turns Inductor's caches off)
 
 import argparse  # noqa: E402
 import re  # noqa: E402
-from typing import Any, Dict, List, Optional, Tuple  # noqa: E402
+from typing import Dict, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -34,7 +34,7 @@ from torchpatches._harness import build_model, count_kernels, tiny_inputs  # noq
 from torchpatches.ops._tiers import force_tier  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "patches"))
-from _fused_models import FUSED  # noqa: E402
+from _fused_models import FUSED, regional_compile_run  # noqa: E402
 
 _NOISE = re.compile(r"#.*|'''[\s\S]*?'''|\"\"\"[\s\S]*?\"\"\"|/tmp/\S+|[a-z0-9]{52}")
 
@@ -42,20 +42,6 @@ _NOISE = re.compile(r"#.*|'''[\s\S]*?'''|\"\"\"[\s\S]*?\"\"\"|/tmp/\S+|[a-z0-9]{
 def normalized(codes: List[str]) -> str:
     """The generated code without comments, docstrings, temp paths and cache hashes."""
     return "\n".join(_NOISE.sub("", code) for code in codes)
-
-
-def compiled_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[torch.Tensor, List[str]]:
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
-        model.compile_repeated_blocks(fullgraph=True)
-        try:
-            out, codes = run_and_get_code(lambda: model(**inputs, return_dict=False)[0])
-        finally:
-            for block in model.transformer_blocks:
-                block._compiled_call_impl = None
-    return out, codes
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -69,10 +55,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     inputs.pop("return_dict", None)
     runs: Dict[str, Tuple[torch.Tensor, List[str]]] = {}
     with torchpatches.disabled(*FUSED):
-        runs["vanilla"] = compiled_run(model, inputs)
-        runs["vanilla-again"] = compiled_run(model, inputs)
+        runs["vanilla"] = regional_compile_run(model, inputs)
+        runs["vanilla-again"] = regional_compile_run(model, inputs)
     with force_tier("torch"):
-        runs["patched"] = compiled_run(model, inputs)
+        runs["patched"] = regional_compile_run(model, inputs)
     torch._dynamo.reset()
     with torch.no_grad():
         with torchpatches.disabled(*FUSED):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, ContextManager, Dict, Iterable, Iterator, Tuple
+from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 
@@ -116,3 +116,18 @@ LORA = {
     "qwenimage": (["to_q", "to_k", "add_v_proj", "to_out.0", "to_add_out", "img_mod.1", "txt_mod.1",
                    "img_mlp.net.0.proj", "txt_mlp.net.2"], {"modulate": 13, "qk_norm_rope": 2}),
 }
+
+
+def regional_compile_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[torch.Tensor, List[str]]:
+    """One forward of ``model`` with its repeated blocks compiled (diffusers' ``compile_repeated_blocks``, fullgraph;
+    Dynamo reset, the FX graph cache off) and the code Inductor generated; the blocks are eager again after."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        model.compile_repeated_blocks(fullgraph=True)
+        try:
+            return run_and_get_code(lambda: model(**inputs, return_dict=False)[0])
+        finally:
+            for block in model.transformer_blocks:
+                block._compiled_call_impl = None  # back to eager for the next compile

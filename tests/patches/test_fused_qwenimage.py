@@ -16,7 +16,8 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, exact, reverted, run, run_hooked, same, tiny  # noqa: E402
+from _fused_models import (DEVICE, FUSED, exact, regional_compile_run, reverted, run, run_hooked,  # noqa: E402
+                           same, tiny)
 from diffusers.models import normalization  # noqa: E402
 from diffusers.models.transformers import transformer_qwenimage as qwen  # noqa: E402
 from torchpatches._harness import build_model, count_kernels, tiny_inputs  # noqa: E402
@@ -360,20 +361,11 @@ def test_a_rebound_global_is_what_runs(case: str, tier: str, monkeypatch: pytest
 
 @pytest.mark.slow
 def test_compile_same_kernels_and_outputs(calls: Dict[str, int], record_property: Callable[[str, Any], None]) -> None:
-    from torch._inductor.utils import run_and_get_code
-
     model, inputs = _model()
 
     def compile_and_count():
-        """Regional compile (diffusers' ``compile_repeated_blocks``, fullgraph): the blocks, where the patterns act."""
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
-            model.compile_repeated_blocks(fullgraph=True)
-            try:
-                out, codes = run_and_get_code(lambda: model(**inputs, return_dict=False)[0])
-            finally:
-                for block in model.transformer_blocks:
-                    block._compiled_call_impl = None  # back to eager for the next compile
+        """Regional compile: the blocks, where the patterns act."""
+        out, codes = regional_compile_run(model, inputs)
         return out, count_kernels(codes)
 
     with torchpatches.disabled(*FUSED):
