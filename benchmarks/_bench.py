@@ -226,7 +226,8 @@ def state(variant: str) -> Iterator[None]:
     ``-NAME``: every patch but NAME; ``int-round``: ``all`` with the kernels' older integer rounding
     (:func:`integer_rounding`); ``modulate:NAME``: ``all`` with a variant of the modulate kernel
     (``modulate_variants.py``); ``checked``: ``all`` with the fusion patterns calling the ops' checked public entries
-    instead of their ``prechecked`` ones (:func:`checked_entries`). A trailing ``+`` (a repeated measurement) is
+    instead of their ``prechecked`` ones (:func:`checked_entries`); ``attn-forward``: ``all`` with the FLUX blocks
+    calling their attention modules (:func:`attention_forward`). A trailing ``+`` (a repeated measurement) is
     ignored."""
     import torchpatches
 
@@ -244,6 +245,9 @@ def state(variant: str) -> Iterator[None]:
     elif base == "checked":
         with checked_entries():
             yield
+    elif base == "attn-forward":
+        with attention_forward():
+            yield
     elif base.startswith("modulate:"):
         from modulate_variants import variant
 
@@ -254,6 +258,21 @@ def state(variant: str) -> Iterator[None]:
             yield
     else:
         raise ValueError(f"unknown variant {variant!r}")
+
+
+@contextlib.contextmanager
+def attention_forward() -> Iterator[None]:
+    """``all`` with the FLUX blocks calling their attention modules (diffusers' attention ``forward``, its
+    ``inspect.signature`` lookup included) instead of the processors directly (round 12's change), for an A/B of
+    that change in one process."""
+    from torchpatches.patches import gate_residual
+
+    direct = gate_residual._processor_of
+    gate_residual._processor_of = lambda *args: None
+    try:
+        yield
+    finally:
+        gate_residual._processor_of = direct
 
 
 @contextlib.contextmanager

@@ -320,6 +320,110 @@ def test_gradients_get_diffusers_code(which: str, parameter: str, calls: Dict[st
     assert model.get_parameter(parameter).grad is not None
 
 
+# ---- the attention call without diffusers' signature lookup ------------------------------------
+
+
+class _SignatureSpy:
+    """Stands for the ``inspect`` module in a diffusers transformer module: counts ``signature`` calls (the
+    attention ``forward``'s per-call lookup) and answers with the real one."""
+
+    def __init__(self) -> None:
+        import inspect
+
+        self.inspect, self.calls = inspect, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inspect, name)
+
+    def signature(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.inspect.signature(*args, **kwargs)
+
+
+def _spied(monkeypatch: pytest.MonkeyPatch) -> _SignatureSpy:
+    spy = _SignatureSpy()
+    for module in (transformer_flux, transformer_flux2):
+        monkeypatch.setattr(module, "inspect", spy)
+    return spy
+
+
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_stock_attention_called_without_its_signature_lookup(which: str, calls: Dict[str, int],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """No keyword arguments and stock attention modules: the blocks call each processor as the attention's
+    forward would (3 attention calls per tiny forward, none through the forward), with diffusers' result."""
+    model, inputs = MODELS[which]()
+    spy = _spied(monkeypatch)
+    ref = vanilla(model, inputs)
+    assert spy.calls == 3  # diffusers: one lookup per attention call
+    spy.calls = 0
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
+    assert spy.calls == 0
+
+
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_attention_keyword_arguments_go_through_its_forward(which: str, calls: Dict[str, int],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``joint_attention_kwargs`` with a key the processor does not take: diffusers' forward filters it (and
+    warns), in every block; the fused glue around it still runs."""
+    model, inputs = MODELS[which]()
+    inputs = dict(inputs, joint_attention_kwargs={"not_a_processor_argument": 1})
+    spy = _spied(monkeypatch)
+    ref = vanilla(model, inputs)
+    spy.calls = 0
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
+    assert spy.calls == 3
+
+
+def test_hooked_or_replaced_attention_goes_through_its_forward(calls: Dict[str, int],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook on one attention module fires (that block calls the module, the others do not); a replaced
+    ``FluxAttention.forward`` is called by every block (the blocks run diffusers' forwards)."""
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    spy = _spied(monkeypatch)
+    seen = collections.Counter()
+    hook = model.single_transformer_blocks[1].attn.register_forward_hook(lambda m, a, o: seen.update(["attn"]))
+    out = run_hooked(model, inputs, [hook], exact())
+    assert torch.equal(out, ref) and seen == {"attn": 1} and spy.calls == 1
+    assert calls["qk_norm_rope"] == 3 and calls["slices"] == 4  # the hooked block's glue stays fused
+
+    original = transformer_flux.FluxAttention.forward
+    entered = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        entered.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformer_flux.FluxAttention, "forward", forward)
+    calls.clear()
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and len(entered) == 3
+    assert calls["slices"] == 0  # the blocks' assumption failed: diffusers' block forwards ran
+
+
+def test_attention_subclass_goes_through_its_forward(calls: Dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+
+    class Traced(transformer_flux.FluxAttention):
+        entered = 0
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            Traced.entered += 1
+            return super().forward(*args, **kwargs)
+
+    model.transformer_blocks[0].attn.__class__ = Traced
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and Traced.entered == 1
+
+
 def test_joined_is_a_view_only_for_adjacent_slices() -> None:
     whole = torch.randn(2, 7, 4)
     first, second = whole[:, :3], whole[:, 3:]

@@ -14,8 +14,8 @@ What goes wrong upstream
 What the patch changes
     The four block ``forward`` methods (``FluxTransformerBlock``, ``FluxSingleTransformerBlock``,
     ``Flux2TransformerBlock``, ``Flux2SingleTransformerBlock``) keep every module call of diffusers' code
-    (norm1, attention, feed-forward, projections: LoRA layers and hooks on them keep working) and replace
-    the tensor glue:
+    (norm1, attention, feed-forward, projections: LoRA layers and hooks on them keep working; a stock
+    attention module's processor is called as its ``forward`` would, below) and replace the tensor glue:
 
     - ``residual + gate * out`` by ``ops.modulate.gate_residual`` (one pass), with the fp16 clip where
       diffusers clips;
@@ -25,7 +25,13 @@ What the patch changes
     - FLUX.1 single block: the input concat is a view when the two inputs are adjacent slices of one
       tensor (every single block after the first), and ``gelu(proj_mlp(x))`` is written straight into the
       buffer ``proj_out`` reads (torch's own GELU kernel with ``out=``, so the values are diffusers'), so
-      only the attention output is copied into it.
+      only the attention output is copied into it;
+    - the attention call: diffusers' attention ``forward`` (``FluxAttention``, ``Flux2Attention``,
+      ``Flux2ParallelSelfAttention``) reads its processor's signature with ``inspect.signature`` on every
+      call (about 20-40 us of host time, 57 calls per FLUX.1-dev step) to filter keyword arguments, then
+      calls the processor with its arguments. With no keyword arguments to filter and a stock attention
+      module (exactly that class, no hooks, no ``forward`` on the instance, the class's ``forward`` the one
+      read), the block calls the processor as that ``forward`` would, without the lookup.
 
     Every call it does not cover runs diffusers' forward: ``torch.compile``, ``torch.jit.trace``, IP-adapter
     processors (FLUX.1 double block), hooked or non-stock norms and activations it would skip, gradients
@@ -45,7 +51,7 @@ When to delete
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 
@@ -108,18 +114,34 @@ def _block_ok(block: Any, *tensors: Any) -> bool:
     )
 
 
+def _processor_of(attn: Any, module_name: str, cls_name: str, kwargs: Any) -> Any:
+    """``attn.processor`` where the block may call it as the attention's ``forward`` would (diffusers 0.42.1):
+    no keyword arguments for ``forward`` to filter against the processor's signature, and ``attn`` exactly
+    the stock class (no hooks, no ``forward`` on the instance; the class's ``forward`` is an assumption of
+    the target, checked per call). Else None: the module call."""
+    if kwargs or not stock(attn, getattr(sys.modules[module_name], cls_name)):
+        return None
+    return attn.processor
+
+
 def _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
-                 img_mlp, txt_mlp, image_rotary_emb, joint_attention_kwargs):
+                 img_mlp, txt_mlp, image_rotary_emb, joint_attention_kwargs, attention: Tuple[str, str]):
     """The shared rest of both double blocks (diffusers 0.42.1) from the attention call on, with the glue fused.
-    ``img_mlp`` / ``txt_mlp``: (gate_msa, shift_mlp, scale_mlp, gate_mlp) of each stream."""
+    ``img_mlp`` / ``txt_mlp``: (gate_msa, shift_mlp, scale_mlp, gate_mlp) of each stream; ``attention``: the
+    (module, class) of the block's stock attention."""
     gate_msa, shift_mlp, scale_mlp, gate_mlp = img_mlp
     c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt_mlp
-    attn_output, context_attn_output = self.attn(
-        hidden_states=norm_hidden_states,
-        encoder_hidden_states=norm_encoder_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}),
-    )
+    processor = _processor_of(self.attn, *attention, joint_attention_kwargs)
+    if processor is not None:  # FluxAttention / Flux2Attention.forward's call, without its signature lookup
+        attn_output, context_attn_output = processor(self.attn, norm_hidden_states, norm_encoder_hidden_states,
+                                                     None, image_rotary_emb)
+    else:
+        attn_output, context_attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            encoder_hidden_states=norm_encoder_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **(joint_attention_kwargs or {}),
+        )
     hidden_states, norm_hidden_states = residual_modulated(
         self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
     )
@@ -143,7 +165,7 @@ def _flux_double(self, hidden_states, encoder_hidden_states, temb, image_rotary_
     )
     return _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
                         (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp),
-                        image_rotary_emb, joint_attention_kwargs)
+                        image_rotary_emb, joint_attention_kwargs, (_FLUX, "FluxAttention"))
 
 
 def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -166,11 +188,15 @@ def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_
     else:
         slices.gelu_tanh_into(mlp, buf[..., width:])
     del mlp
-    attn_output = self.attn(
-        hidden_states=norm_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}),
-    )
+    processor = _processor_of(self.attn, _FLUX, "FluxAttention", joint_attention_kwargs)
+    if processor is not None:  # FluxAttention.forward's call, without its signature lookup
+        attn_output = processor(self.attn, norm_hidden_states, None, None, image_rotary_emb)
+    else:
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **(joint_attention_kwargs or {}),
+        )
     if _plain(attn_output) and attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype \
             and attn_output.device == buf.device and _plain(buf):
         slices.prechecked(attn_output, buf[..., :width], gelu=False)
@@ -193,7 +219,7 @@ def _flux2_double(self, hidden_states, encoder_hidden_states, temb_mod_img, temb
                                            fuse=fuse)
     return _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
                         (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp),
-                        image_rotary_emb, joint_attention_kwargs)
+                        image_rotary_emb, joint_attention_kwargs, (_FLUX2, "Flux2Attention"))
 
 
 def _flux2_single(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
@@ -205,29 +231,37 @@ def _flux2_single(self, hidden_states, encoder_hidden_states, temb_mod, image_ro
         hidden_states = joined(encoder_hidden_states, hidden_states)
     mod_shift, mod_scale, mod_gate = sys.modules[_FLUX2].Flux2Modulation.split(temb_mod, 1)[0]
     norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=pattern_on("adaln"))
-    attn_output = self.attn(
-        hidden_states=norm_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}),
-    )
+    processor = _processor_of(self.attn, _FLUX2, "Flux2ParallelSelfAttention", joint_attention_kwargs)
+    if processor is not None:  # Flux2ParallelSelfAttention.forward's call, without its signature lookup
+        attn_output = processor(self.attn, norm_hidden_states, None, image_rotary_emb)
+    else:
+        attn_output = self.attn(
+            hidden_states=norm_hidden_states,
+            image_rotary_emb=image_rotary_emb,
+            **(joint_attention_kwargs or {}),
+        )
     hidden_states = residual(hidden_states, mod_gate, attn_output, clip=True)
     if split_hidden_states:
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
     return hidden_states
 
 
-def _target(qualname: str, body: Any, fingerprint: str, assumes: tuple = _ASSUMES) -> Target:
-    return fused_target("gate_residual", qualname, body, fingerprint, assumes)
+def _target(qualname: str, body: Any, fingerprint: str, assumes: tuple) -> Target:
+    return fused_target("gate_residual", qualname, body, fingerprint, _ASSUMES + assumes)
 
 
 PATCH = Patch(
     name="gate_residual",
     summary="FLUX blocks: gate + residual (+ next LayerNorm/modulate) in one kernel, concats without copies (eager)",
-    targets=(  # fingerprints: diffusers 0.42.1
-        _target(f"{_FLUX}:FluxTransformerBlock.forward", _flux_double, "2ddc89c799fd6eca"),
-        _target(f"{_FLUX}:FluxSingleTransformerBlock.forward", _flux_single, "febf6aee7ca882b6", _ASSUMES + GELU),
-        _target(f"{_FLUX2}:Flux2TransformerBlock.forward", _flux2_double, "47bed5da14990da5"),
-        _target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", _flux2_single, "12422e38cc8c135b"),
+    targets=(  # fingerprints: diffusers 0.42.1; each assumes the forward of the attention it calls past
+        _target(f"{_FLUX}:FluxTransformerBlock.forward", _flux_double, "2ddc89c799fd6eca",
+                (f"{_FLUX}:FluxAttention.forward",)),
+        _target(f"{_FLUX}:FluxSingleTransformerBlock.forward", _flux_single, "febf6aee7ca882b6",
+                GELU + (f"{_FLUX}:FluxAttention.forward",)),
+        _target(f"{_FLUX2}:Flux2TransformerBlock.forward", _flux2_double, "47bed5da14990da5",
+                (f"{_FLUX2}:Flux2Attention.forward",)),
+        _target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", _flux2_single, "12422e38cc8c135b",
+                (f"{_FLUX2}:Flux2ParallelSelfAttention.forward",)),
     ),
     requires=FUSED_REQUIRES,
 )
