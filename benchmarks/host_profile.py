@@ -2,9 +2,10 @@
 
 For each model and variant (``vanilla``: every patch reverted; ``all``: every patch applied), in one process:
 host ms per step without a profiler (wall time of enqueueing one step on an empty queue, median of
-``--steps``), then ``cProfile`` over ``--steps`` steps: self time per step grouped by where the function
-lives (torchpatches, diffusers, torch.nn modules, other torch Python, triton, C calls such as ``linear`` or a
-kernel launch, the rest), calls per step, and the top functions by self time. cProfile adds a cost per Python
+``--steps``) and the thread's CPU ms for the same (``time.thread_time``: steadier on a shared host), then
+``cProfile`` over ``--steps`` steps: self time per step grouped by where the function lives (torchpatches,
+diffusers, torch.nn modules, other torch Python, triton, C calls such as ``linear`` or a kernel launch, the
+rest), calls per step, and the top functions by self time. cProfile adds a cost per Python
 call, so its total exceeds the unprofiled host time; the split between groups is what it is for.
 
     python benchmarks/host_profile.py --models flux2 --json host.json                 # GPU
@@ -36,6 +37,7 @@ import cProfile  # noqa: E402
 import functools  # noqa: E402
 import pstats  # noqa: E402
 import statistics  # noqa: E402
+import time  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
@@ -57,11 +59,28 @@ def group_of(filename: str) -> str:
     return "other Python"
 
 
+def host_cpu_ms(step: Any, device: torch.device, steps: int) -> List[float]:
+    """CPU ms of this thread while it enqueues each step (``time.thread_time``): the host's work without the time
+    the thread was not running (a shared VM's other tenants, the scheduler), which moves wall-clock host times of
+    one tree by 30% from step to step on some device hosts. Each step on an empty queue, as ``time_steps``."""
+    per = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.thread_time()
+        step()
+        per.append((time.thread_time() - t) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return per
+
+
 def profile_steps(step: Any, device: torch.device, steps: int, top: int) -> Dict[str, Any]:
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     _, host = _bench.time_steps(step, device, 2, steps)
+    cpu = host_cpu_ms(step, device, steps)
     profiler = cProfile.Profile()
     for _ in range(steps):
         profiler.enable()
@@ -80,7 +99,8 @@ def profile_steps(step: Any, device: torch.device, steps: int, top: int) -> Dict
         rows.append((tottime * 1e3 / steps, ncalls / steps, cumtime * 1e3 / steps,
                      f"{label}: {os.path.basename(filename)}:{line} {name}"[:110]))
     rows.sort(reverse=True)
-    return {"host_ms": statistics.median(host), "profiled_ms": sum(groups.values()),
+    return {"host_ms": statistics.median(host), "host_cpu_ms": statistics.median(cpu),
+            "profiled_ms": sum(groups.values()),
             "python_calls_per_step": calls / steps, "self_ms_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "top": rows[:top]}
 
@@ -99,7 +119,8 @@ def with_adapters(model: torch.nn.Module, case: str, rank: int) -> Dict[str, Any
 
 
 def report(name: str, variant: str, result: Dict[str, Any]) -> None:
-    print(f"\n[{name}] {variant}: host {result['host_ms']:.1f} ms per step unprofiled; under cProfile "
+    print(f"\n[{name}] {variant}: host {result['host_ms']:.1f} ms per step unprofiled "
+          f"(thread CPU {result['host_cpu_ms']:.1f} ms); under cProfile "
           f"{result['profiled_ms']:.1f} ms, {result['python_calls_per_step']:.0f} function calls per step")
     for label, ms in result["self_ms_by_group"].items():
         print(f"  {label:<18}{ms:9.2f} ms")
