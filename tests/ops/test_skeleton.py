@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from _fused_checks import DTYPES, HAS_TRITON, UNIT, hyp, needs_triton, ulps
 from torchpatches.ops import (_rope_tiers, _tiers, linear_gelu, lse_merge, modulate, qk_norm_rope, rms_norm_rope, rope,
-                              slices, swiglu)
+                              rope_tables, slices, swiglu)
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -156,10 +156,16 @@ def _rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return rope.apply_rope_qk(x.reshape(x.shape[0], x.shape[1], 2, -1), None, _COS, _SIN, tier=tier)[0]
 
 
+def _rope_tables(x: torch.Tensor, tier: Any) -> torch.Tensor:
+    # x's first three columns as position ids [S, 3]; both tables in one result
+    cos, sin = rope_tables.rope_tables(x.reshape(-1, x.shape[-1])[:, :3] * 10, (4, 6, 2), 100.0, tier=tier)
+    return cos + 2 * sin
+
+
 OPS: Dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
     "layer_norm_modulate": _lnmod, "gate_residual": _gate, "swiglu": _swiglu, "gelu_tanh_into": _gelu_into,
     "qk_norm_rope": _qk, "apply_rope_qk": _rope,
-    "rms_norm_rope": _rms_rope, "lse_merge": _lse_merge,
+    "rms_norm_rope": _rms_rope, "lse_merge": _lse_merge, "rope_tables": _rope_tables,
 }
 
 

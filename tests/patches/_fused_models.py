@@ -8,7 +8,7 @@ from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Tuple
 import torch
 
 #: The eager fusion patterns.
-FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
+FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "rope_tables",
          "sd3_qk_norm", "sd3_block",
          "wan_block",
          "wan_qk_norm_rope",

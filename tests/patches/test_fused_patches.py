@@ -424,6 +424,84 @@ def test_attention_subclass_goes_through_its_forward(calls: Dict[str, int], monk
     assert torch.equal(out, ref) and Traced.entered == 1
 
 
+# ---- rope_tables ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def table_calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
+    """How often ``ops.rope_tables`` ran, by tier."""
+    from torchpatches.ops import rope_tables
+
+    counts: Dict[str, int] = collections.Counter()
+    real = rope_tables._impl
+
+    def counting(ids: torch.Tensor, axes_dim: Any, theta: float, tier: str) -> Any:
+        counts[tier] += 1
+        return real(ids, axes_dim, theta, tier)
+
+    monkeypatch.setattr(rope_tables, "_impl", counting)
+    return counts
+
+
+@pytest.mark.parametrize("tier", ["torch", "triton"])
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_rope_tables_in_the_model(which: str, tier: str, table_calls: Dict[str, int]) -> None:
+    """One call per embedder call (FLUX.2 embeds image and text positions apart), both tiers; the model's output is
+    diffusers' bit for bit (the tables are)."""
+    if tier == "triton":
+        pytest.importorskip("triton")
+    model, inputs = MODELS[which]()
+    ref = vanilla(model, inputs)
+    with force_tier(tier), torchpatches.disabled("gelu_gemm"):
+        out = run(model, inputs)
+    assert table_calls == {tier: {"flux1": 1, "flux2": 2}[which]}
+    if tier == "torch":
+        assert torch.equal(out, ref)
+    else:  # the other fused kernels' one-ulp differences reach the output
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    # The tables alone change nothing (the reference reverts ``rope`` too: its kernel is not diffusers' bits on CUDA).
+    with force_tier(tier), torchpatches.disabled("rope", *(name for name in FUSED if name != "rope_tables")):
+        assert torch.equal(run(model, inputs), ref)
+
+
+def test_rope_tables_step_aside(table_calls: Dict[str, int]) -> None:
+    """A hook on the embedder runs around the fused forward (it sees the same output); diffusers' forward for: fp64
+    positions, an axes list that does not fit ids (FLUX.1's own IndexError), odd axes (diffusers' own
+    AssertionError), positions requiring grad, a replaced global of the forward."""
+    embed = transformer_flux.FluxPosEmbed(10000, [4, 6, 6])
+    embed2 = transformer_flux2.Flux2PosEmbed(10000, [4, 4])
+    ids = torch.arange(12.0).reshape(4, 3)
+    with torchpatches.disabled("rope_tables"):
+        ref = embed(ids)
+    with force_tier("torch"):
+        assert all(torch.equal(a, b) for a, b in zip(embed(ids), ref)) and table_calls == {"torch": 1}
+        table_calls.clear()
+        seen = []
+        hook = embed.register_forward_hook(lambda m, a, o: seen.append(1))
+        out = embed(ids)
+        hook.remove()
+        assert seen == [1] and all(torch.equal(a, b) for a, b in zip(out, ref)) and table_calls == {"torch": 1}
+        table_calls.clear()
+        assert torch.equal(embed(ids.double())[0], ref[0])  # fp64 ids: float() of them, as diffusers
+        with pytest.raises(IndexError):
+            transformer_flux.FluxPosEmbed(10000, [4, 6])(ids)  # fewer axes than ids' columns
+        with pytest.raises(AssertionError):
+            transformer_flux.FluxPosEmbed(10000, [4, 5, 6])(ids)
+        grad_ids = ids.clone().requires_grad_(True)
+        assert embed(grad_ids)[0].requires_grad
+        assert table_calls == {}
+        assert embed2(ids)[0].shape == (4, 8) and table_calls == {"torch": 1}  # FLUX.2: the first two columns
+        table_calls.clear()
+    real = transformer_flux.get_1d_rotary_pos_embed
+    try:  # a user's own get_1d_rotary_pos_embed (here one that calls diffusers'): the forward that calls it runs
+        transformer_flux.get_1d_rotary_pos_embed = lambda *args, **kwargs: real(*args, **kwargs)
+        with force_tier("torch"):
+            assert all(torch.equal(a, b) for a, b in zip(embed(ids), ref))
+        assert table_calls == {}
+    finally:
+        transformer_flux.get_1d_rotary_pos_embed = real
+
+
 def test_joined_is_a_view_only_for_adjacent_slices() -> None:
     whole = torch.randn(2, 7, 4)
     first, second = whole[:, :3], whole[:, 3:]

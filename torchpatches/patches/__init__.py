@@ -5,7 +5,7 @@
 #: collectives.
 PATCH_MODULES = (
     "inductor_realize", "compile_warnings", "rope",
-    "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu",
+    "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "rope_tables",
     "sd3_qk_norm", "sd3_block",
     "wan_block", "wan_qk_norm_rope",
     "qwenimage_block", "qwenimage_qk_norm_rope", "qwenimage_text_seq_len",

@@ -1,0 +1,96 @@
+"""rope_tables: FLUX.1 / FLUX.2 rotary cos / sin tables in one kernel instead of about fifty (eager).
+
+What goes wrong upstream
+    ``FluxPosEmbed.forward`` (FLUX.1) and ``Flux2PosEmbed.forward`` (FLUX.2) compute the rotary tables of every
+    forward from the position ids: per axis ``get_1d_rotary_pos_embed`` runs about fourteen small kernels (an
+    ``arange``, divisions, ``pow``, a reciprocal, the fp64 ``outer`` product, ``cos`` and ``sin``, two
+    ``repeat_interleave`` and two casts), then the axes are concatenated: about 45 launches for FLUX.1's three
+    axes, 60 for FLUX.2's four. They run before the first transformer block, while the GPU has nothing else
+    queued, so the GPU waits for the host through all of them: on an H200 the host-bound gaps of a fused
+    FLUX.1-dev step are about 2.3 ms, most of them in this prologue (docs/fused.md, "Host time, round 12").
+    ``torch.compile`` fuses them; eager users pay them on every step.
+
+What the patch changes
+    Both forwards call ``torchpatches.ops.rope_tables.rope_tables`` (one Triton kernel; the fp64 frequency
+    vectors are computed once per device with diffusers' own ops and kept) when ``ids`` is a plain 2-D float
+    CUDA tensor without gradients, with one column per axis (FLUX.1) or at least as many columns as axes
+    (FLUX.2), and the axes are positive even ints; otherwise diffusers' forward. It steps aside under
+    ``torch.compile``, ``torch.jit.trace``, forward AD and functorch transforms, autocast, module-global hooks,
+    and when a global of the forward (``get_1d_rotary_pos_embed``, ``maybe_adjust_dtype_for_device``) or a function
+    it reaches through ``torch`` (``torch.cat``, ``torch.arange``, ``torch.outer``) is not what it was. Hooks on the
+    embedder run around the fused forward (they see its inputs and the same output).
+
+Tolerance
+    The same fp64 frequencies, product, cos / sin (the CUDA math library in both), one rounding to fp32:
+    diffusers' bits on CUDA (checked by the CUDA run of tests/ops/test_rope_tables.py).
+
+Versions
+    diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4.
+
+When to delete
+    When diffusers caches or fuses the FLUX rotary tables in eager mode.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .._declare import Patch
+from .._lazy import lazy_module
+from ._fused_common import CAT, FALLBACK, FUSED_REQUIRES, fusable, fused_target
+
+__all__ = ["PATCH"]
+
+_FLUX = "diffusers.models.transformers.transformer_flux"
+_FLUX2 = "diffusers.models.transformers.transformer_flux2"
+#: What the replaced code reaches through modules: the forward's concat, get_1d_rotary_pos_embed's arange and outer.
+_ASSUMES = CAT + ("torch:arange", "torch:outer")
+
+#: ``torchpatches.ops.rope_tables``, imported at the first fused call (it registers a torch.library op).
+_tables = lazy_module("torchpatches.ops.rope_tables")
+
+
+def _axes(self: Any) -> Any:
+    """The embedder's axes as a tuple of positive even ints, else None."""
+    axes = getattr(self, "axes_dim", None)
+    try:
+        dims = tuple(axes)
+    except TypeError:
+        return None
+    if not dims or any(type(d) is not int or d <= 0 or d % 2 for d in dims):
+        return None
+    return dims
+
+
+def _theta(self: Any) -> Any:
+    theta = getattr(self, "theta", None)
+    return theta if type(theta) in (int, float) and theta > 0 else None
+
+
+def _tables_for(self: Any, ids: Any, exact_axes: bool) -> Any:
+    if not (fusable(ids, (self,)) and ids.dim() == 2):
+        return FALLBACK
+    dims, theta = _axes(self), _theta(self)
+    if dims is None or theta is None:
+        return FALLBACK
+    if (ids.shape[1] != len(dims)) if exact_axes else (ids.shape[1] < len(dims)):
+        return FALLBACK  # FLUX.1 indexes axes_dim by ids' columns, FLUX.2 ids' columns by axes: its own error
+    return _tables().rope_tables(ids, dims, theta)
+
+
+def _flux(self, ids):
+    return _tables_for(self, ids, exact_axes=True)
+
+
+def _flux2(self, ids):
+    return _tables_for(self, ids, exact_axes=False)
+
+
+PATCH = Patch(
+    name="rope_tables",
+    summary="FLUX.1 / FLUX.2 rotary cos/sin tables in one kernel (eager)",
+    targets=(  # fingerprints: diffusers 0.42.1
+        fused_target("rope_tables", f"{_FLUX}:FluxPosEmbed.forward", _flux, "9f26fa5cbad33ac0", _ASSUMES),
+        fused_target("rope_tables", f"{_FLUX2}:Flux2PosEmbed.forward", _flux2, "6a09d958bc3721c4", _ASSUMES),
+    ),
+    requires=FUSED_REQUIRES,
+)
