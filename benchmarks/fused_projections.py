@@ -32,13 +32,13 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import dit  # noqa: E402
+from launch_queue import batch_us, sleep_cycles  # noqa: E402
 
 #: (name, rows M, input width K, output widths N of the projections that read one input) per FLUX.1-dev block.
 GROUPS = (
@@ -46,16 +46,6 @@ GROUPS = (
     ("double: text q/k/v", 512, 3072, (3072, 3072, 3072)),
     ("single: q/k/v + MLP in", 4608, 3072, (3072, 3072, 3072, 12288)),
 )
-
-
-def sleep_cycles(ms: float) -> int:
-    cycles = 10_000_000
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return int(cycles * ms / start.elapsed_time(end))
 
 
 def gpu_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -68,20 +58,9 @@ def gpu_ms(fn: Callable[[], Any], reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def host_us(fn: Callable[[], Any], calls: int, busy: int) -> float:
-    torch.cuda.synchronize()
-    torch.cuda._sleep(busy)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
 def gemm_part(reps: int, rounds: int) -> List[Dict[str, Any]]:
     device, dtype = torch.device("cuda"), torch.bfloat16
-    busy = sleep_cycles(30.0)
+    busy = sleep_cycles(device, 30.0)
     rows = []
     for name, m, k, widths in GROUPS:
         x = torch.randn(1, m, k, device=device, dtype=dtype)
@@ -105,8 +84,8 @@ def gemm_part(reps: int, rounds: int) -> List[Dict[str, Any]]:
         for _ in range(rounds):
             sep_ms.append(gpu_ms(separate, reps))
             mer_ms.append(gpu_ms(merged, reps))
-            sep_us.append(host_us(separate, 60, busy))
-            mer_us.append(host_us(merged, 60, busy))
+            sep_us.append(batch_us(separate, 60, busy))
+            mer_us.append(batch_us(merged, 60, busy))
         flops = 2 * m * k * sum(widths)
         row = dict(group=name, m=m, k=k, widths=list(widths), bit_identical=same,
                    separate_ms=statistics.median(sep_ms), merged_ms=statistics.median(mer_ms),
