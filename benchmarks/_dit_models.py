@@ -60,8 +60,9 @@ def flux_inputs(name: str, config: Dict[str, Any], side: int, text: int, device:
         txt_ids=txt_ids.to(device),
         return_dict=False,
     )
-    if name == "flux2":  # Flux2Pipeline's ids carry the batch dim (the dim its context-parallel plan expects)
-        out["img_ids"], out["txt_ids"] = out["img_ids"][None], out["txt_ids"][None]
+    if name == "flux2":  # Flux2Pipeline's ids: int64 (cartesian_prod of aranges), with the batch dim (the dim its
+        # context-parallel plan expects)
+        out["img_ids"], out["txt_ids"] = out["img_ids"][None].long(), out["txt_ids"][None].long()
     if name == "flux1":
         out["pooled_projections"] = randn(1, config["pooled_projection_dim"])
     return out

@@ -11,7 +11,8 @@ launched the second one (by correlation id):
 
 Two profiled passes per variant: CUDA activity alone (the gaps by kind, without the CPU profiler's cost on the
 host), then CPU and CUDA (which CPU op each host-bound gap falls in; the host is slower there, so its gaps are
-larger). Printed per variant and step: the step ms unprofiled, kernel ms, the gaps by kind, the time before the
+larger). Gaps longer than 20 ms are the synchronizations between the profiled steps and are left out. Printed per
+variant and step: the step ms unprofiled, kernel ms, the gaps by kind, the time before the
 first kernel, host-bound gaps by the enclosing CPU op, and the longest host-bound gaps with the kernels on both
 sides.
 

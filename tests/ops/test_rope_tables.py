@@ -47,11 +47,13 @@ def cases(draw):
     extra = draw(st.integers(0, 1))
     rows = draw(st.integers(0, 40))
     theta = draw(st.sampled_from([10000, 2000, 256.0, 7.5, 1e6]))
-    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    # FLUX.1's pipeline passes the latents' float dtype, FLUX.2's int64 (cartesian_prod of aranges)
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+                                  torch.int32]))
     seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 4097, (rows, len(axes) + extra), generator=g).float()
-    if draw(st.booleans()):  # positions off the grid (FLUX.2 text positions, resized latents): any float
+    if dtype.is_floating_point and draw(st.booleans()):  # positions off the grid: any float
         ids = ids * torch.rand(ids.shape, generator=g) - 100
     ids = ids.to(dtype)
     if draw(st.booleans()):  # a strided view: columns of a transposed buffer
@@ -91,7 +93,8 @@ def test_production_shapes_are_exact() -> None:
     grid[..., 1] = torch.arange(64)[:, None]
     grid[..., 2] = torch.arange(64)[None, :]
     ids = torch.cat([torch.zeros(512, 3), grid.reshape(-1, 3)]).to(DEVICE)
-    for axes, theta, cols in (((16, 56, 56), 10000, ids), ((32, 32, 32, 32), 2000, torch.cat([ids, ids[:, :1]], 1))):
+    flux2 = torch.cat([ids, ids[:, :1]], 1).long()  # Flux2Pipeline's int64 ids
+    for axes, theta, cols in (((16, 56, 56), 10000, ids), ((32, 32, 32, 32), 2000, flux2)):
         ref = diffusers_tables(cols, axes, theta)
         for tier in ("torch", "triton"):
             with force_tier(tier):
@@ -112,8 +115,8 @@ def test_frequencies_are_kept_per_theta_and_axes() -> None:
 
 @pytest.mark.parametrize("args, match", [
     ((torch.zeros(4), (2,), 10.0), "2-D"),
-    ((torch.zeros(4, 2, dtype=torch.int64), (2,), 10.0), "dtype"),
-    ((torch.zeros(4, 2, dtype=torch.float64), (2,), 10.0), "dtype"),
+    ((torch.zeros(4, 2, dtype=torch.bool), (2,), 10.0), "dtype"),
+    ((torch.zeros(4, 2, dtype=torch.complex64), (2,), 10.0), "dtype"),
     ((torch.zeros(4, 2), (3,), 10.0), "even"),
     ((torch.zeros(4, 2), (0,), 10.0), "even"),
     ((torch.zeros(4, 2), (), 10.0), "even"),

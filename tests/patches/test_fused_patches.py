@@ -407,6 +407,32 @@ def test_hooked_or_replaced_attention_goes_through_its_forward(calls: Dict[str, 
     assert calls["slices"] == 0  # the blocks' assumption failed: diffusers' block forwards ran
 
 
+def test_compiled_or_wrapped_attention_module_is_called(calls: Dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``attn.compile()`` (its calls go to ``_compiled_call_impl``) and a ``forward`` set on the instance
+    (accelerate's and diffusers' hooks) are module calls the blocks make; the other attentions still go direct."""
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    spy = _spied(monkeypatch)
+    compiled_attn = model.single_transformer_blocks[0].attn
+    wrapped_attn = model.transformer_blocks[0].attn
+    entered = []
+
+    def compiled_call(*args: Any, **kwargs: Any) -> Any:  # stands in for torch.compile(self._call_impl)
+        entered.append("compiled")
+        return compiled_attn._call_impl(*args, **kwargs)
+
+    def instance_forward(*args: Any, **kwargs: Any) -> Any:
+        entered.append("instance forward")
+        return type(wrapped_attn).forward(wrapped_attn, *args, **kwargs)
+
+    monkeypatch.setattr(compiled_attn, "_compiled_call_impl", compiled_call, raising=False)
+    monkeypatch.setattr(wrapped_attn, "forward", instance_forward, raising=False)
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and sorted(entered) == ["compiled", "instance forward"]
+    assert spy.calls == 2 and calls["qk_norm_rope"] == 3
+
+
 def test_attention_subclass_goes_through_its_forward(calls: Dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs = tiny_flux1()
     ref = vanilla(model, inputs)
@@ -464,9 +490,28 @@ def test_rope_tables_in_the_model(which: str, tier: str, table_calls: Dict[str, 
         assert torch.equal(run(model, inputs), ref)
 
 
+def test_rope_tables_with_the_pipelines_integer_ids(table_calls: Dict[str, int]) -> None:
+    """Flux2Pipeline builds its ids with ``cartesian_prod`` of ``arange``: int64. The tables come from the op."""
+    model, inputs = tiny_flux2()
+    inputs = dict(inputs, img_ids=inputs["img_ids"].long(), txt_ids=inputs["txt_ids"].long())
+    ref = vanilla(model, inputs)
+    with force_tier("triton"), torchpatches.disabled("rope", *(name for name in FUSED if name != "rope_tables")):
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and table_calls == {"triton": 2}
+
+
+def test_rope_tables_verifies_what_it_reproduces() -> None:
+    """The code the op reproduces and the forwards call is fingerprinted (another source skips the patch)."""
+    assert set(_patch("rope_tables").verifies) == {"diffusers.models.embeddings:get_1d_rotary_pos_embed",
+                                                   "diffusers.utils.torch_utils:maybe_adjust_dtype_for_device"}
+    assert set(_patch("gate_residual").verifies) == {f"{m.__name__}:{c}.forward" for m, c in (
+        (transformer_flux, "FluxAttention"), (transformer_flux2, "Flux2Attention"),
+        (transformer_flux2, "Flux2ParallelSelfAttention"))}
+
+
 def test_rope_tables_step_aside(table_calls: Dict[str, int]) -> None:
-    """A hook on the embedder runs around the fused forward (it sees the same output); diffusers' forward for: fp64
-    positions, an axes list that does not fit ids (FLUX.1's own IndexError), odd axes (diffusers' own
+    """A hook on the embedder runs around the fused forward (it sees the same output), fp64 positions are fused too;
+    diffusers' forward for: an axes list that does not fit ids (FLUX.1's own IndexError), odd axes (diffusers' own
     AssertionError), positions requiring grad, a replaced global of the forward."""
     embed = transformer_flux.FluxPosEmbed(10000, [4, 6, 6])
     embed2 = transformer_flux2.Flux2PosEmbed(10000, [4, 4])
@@ -482,7 +527,8 @@ def test_rope_tables_step_aside(table_calls: Dict[str, int]) -> None:
         hook.remove()
         assert seen == [1] and all(torch.equal(a, b) for a, b in zip(out, ref)) and table_calls == {"torch": 1}
         table_calls.clear()
-        assert torch.equal(embed(ids.double())[0], ref[0])  # fp64 ids: float() of them, as diffusers
+        assert torch.equal(embed(ids.double())[0], ref[0]) and table_calls == {"torch": 1}  # float() of them
+        table_calls.clear()
         with pytest.raises(IndexError):
             transformer_flux.FluxPosEmbed(10000, [4, 6])(ids)  # fewer axes than ids' columns
         with pytest.raises(AssertionError):

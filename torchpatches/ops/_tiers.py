@@ -35,6 +35,9 @@ __all__ = ["TIERS", "FLOAT_DTYPES", "force_tier", "forced_tier", "triton_usable"
 TIERS = ("flashinfer", "triton", "torch")
 #: The dtypes every tier of every op serves.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Position ids (``ops.rope_tables``): diffusers' FLUX embedders take ``ids.float()`` of any of these (FLUX.2's
+#: pipeline passes int64, FLUX.1's the latents' float dtype).
+POSITION_DTYPES = FLOAT_DTYPES + (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 _FORCED: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("torchpatches_forced_tier", default=None)
 

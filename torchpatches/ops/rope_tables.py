@@ -4,6 +4,8 @@ Usable without any patching::
 
     cos, sin = rope_tables(ids, axes_dim=(16, 56, 56), theta=10000)   # ids [S, 3] -> cos, sin [S, 128] fp32
 
+``ids`` may be of any real float or integer dtype (FLUX.2's pipeline passes int64): read as ``ids.float()``.
+
 For each axis ``i`` (``len(axes_dim)`` of them, one column of ``ids`` each) diffusers' ``get_1d_rotary_pos_embed``
 computes ``freqs = 1.0 / (theta ** (arange(0, dim, 2, float64) / dim))`` (``/ 1.0``), then
 ``outer(ids[:, i].float(), freqs)`` in float64, its ``cos`` and ``sin``, each repeated twice along the columns
@@ -27,7 +29,7 @@ from typing import Dict, Sequence, Tuple
 import torch
 
 from . import _args, _dispatch
-from ._tiers import choose_tier, force_tier, needs_grad
+from ._tiers import POSITION_DTYPES, choose_tier, force_tier, needs_grad
 
 __all__ = ["rope_tables", "force_tier"]
 
@@ -40,20 +42,39 @@ def _axis_freqs(dim: int, theta: float, device: torch.device) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)) / 1.0
 
 
+def _build_frequencies(axes_dim: Tuple[int, ...], theta: float, device: torch.device
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.cat([_axis_freqs(dim, theta, device) for dim in axes_dim])
+    # Filled on the device: no host copy, so a first call inside a CUDA-graph capture stays capturable.
+    axis_of = torch.cat([torch.full((dim // 2,), i, dtype=torch.int32, device=device)
+                         for i, dim in enumerate(axes_dim)])
+    return freqs, axis_of
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _frequencies(axes_dim: Tuple[int, ...], theta: float, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """(fp64 frequency of each half-column, int32 axis of each half-column) on ``device``, built once per key with
-    diffusers' ops (so the same bits as its per-call ones) and kept: a few hundred bytes per model."""
+    diffusers' ops (so the same bits as its per-call ones) and kept: a few hundred bytes per model.
+
+    Kept only once written: built inside a CUDA-graph capture the kernels are only recorded (the graph computes
+    them at each replay, nothing is kept); built on CUDA, the stream is synchronized once before the entry is
+    shared, so a caller on another stream never reads it half-written."""
     key = (axes_dim, float(theta), device)
     entry = _FREQS.get(key)
-    if entry is None:
-        with _FREQS_LOCK:
-            entry = _FREQS.get(key)
-            if entry is None:
-                freqs = torch.cat([_axis_freqs(dim, theta, device) for dim in axes_dim])
-                # Filled on the device (no host copy: a first call inside a CUDA-graph capture stays capturable).
-                axis_of = torch.cat([torch.full((dim // 2,), i, dtype=torch.int32, device=device)
-                                     for i, dim in enumerate(axes_dim)])
-                entry = _FREQS[key] = (freqs, axis_of)
+    if entry is not None:
+        return entry
+    if _capturing(device):
+        return _build_frequencies(axes_dim, theta, device)
+    with _FREQS_LOCK:
+        entry = _FREQS.get(key)
+        if entry is None:
+            entry = _build_frequencies(axes_dim, theta, device)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            _FREQS[key] = entry
     return entry
 
 
@@ -93,7 +114,10 @@ def _(ids, axes_dim, theta, tier):
 
 
 def _check(ids: torch.Tensor, axes_dim: Sequence[int], theta: float) -> Tuple[int, ...]:
-    _args.float_tensor(ids, "ids")
+    _args.tensor(ids, "ids")
+    if ids.dtype not in POSITION_DTYPES:
+        raise ValueError(f"ids dtype {ids.dtype} is not supported; expected a real float or integer dtype "
+                         f"({', '.join(str(d).replace('torch.', '') for d in POSITION_DTYPES)})")
     if ids.dim() != 2:
         raise ValueError(f"ids must be 2-D [S, axes], got shape {tuple(ids.shape)}")
     try:
@@ -117,8 +141,8 @@ def rope_tables(ids: torch.Tensor, axes_dim: Sequence[int], theta: float, *,
     columns past ``len(axes_dim)`` are not read), as diffusers' FLUX position embedders compute them.
 
     Raises:
-        ValueError: on ids that are not a 2-D float tensor, axes that are not positive even ints or more than
-        ids' columns, or a theta that is not a positive number.
+        ValueError: on ids that are not a 2-D tensor of a real float or integer dtype, axes that are not positive
+        even ints or more than ids' columns, or a theta that is not a positive number.
     """
     dims = _check(ids, axes_dim, theta)
     grad = needs_grad(ids)

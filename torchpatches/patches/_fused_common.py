@@ -184,7 +184,8 @@ def _state(module: Any) -> tuple:
     object: the fused paths call their ops' unchecked entries with these weights). Nothing that refers back to
     the module (a bound ``forward`` would keep it alive through the weak-keyed entry)."""
     d = module.__dict__
-    return (type(module), len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), "forward" in d, d["training"],
+    return (type(module), len(d["_forward_hooks"]), len(d["_forward_pre_hooks"]), "forward" in d,
+            d.get("_compiled_call_impl") is not None, d["training"],
             *((id(p), type(p), p.dtype, p.device, p.shape) if p is not None else None
               for p in d["_parameters"].values()))
 
@@ -223,6 +224,7 @@ def stock(module: Any, cls: type) -> bool:
         and not module._forward_hooks
         and not module._forward_pre_hooks
         and "forward" not in module.__dict__  # accelerate and diffusers hooks replace the bound forward
+        and module.__dict__.get("_compiled_call_impl") is None  # nn.Module.compile(): calls go to compiled code
     )
 
 

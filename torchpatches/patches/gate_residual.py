@@ -31,7 +31,7 @@ What the patch changes
       call (about 20-40 us of host time, 57 calls per FLUX.1-dev step) to filter keyword arguments, then
       calls the processor with its arguments. With no keyword arguments to filter and a stock attention
       module (exactly that class, no hooks, no ``forward`` on the instance, the class's ``forward`` the one
-      read), the block calls the processor as that ``forward`` would, without the lookup.
+      read, its source verified), the block calls the processor as that ``forward`` would, without the lookup.
 
     Every call it does not cover runs diffusers' forward: ``torch.compile``, ``torch.jit.trace``, IP-adapter
     processors (FLUX.1 double block), hooked or non-stock norms and activations it would skip, gradients
@@ -263,5 +263,10 @@ PATCH = Patch(
         _target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", _flux2_single, "12422e38cc8c135b",
                 (f"{_FLUX2}:Flux2ParallelSelfAttention.forward",)),
     ),
+    # The attention forwards the blocks call past (their source: diffusers 0.42.1; compile_warnings' copies of
+    # them have the same fingerprints): another source skips the patch.
+    verifies={f"{_FLUX}:FluxAttention.forward": frozenset({"d12ce2e9a0852e06"}),
+              f"{_FLUX2}:Flux2Attention.forward": frozenset({"7c05eda1d782aa24"}),
+              f"{_FLUX2}:Flux2ParallelSelfAttention.forward": frozenset({"7d9744609d245c93"})},
     requires=FUSED_REQUIRES,
 )

@@ -8,21 +8,24 @@ What goes wrong upstream
     axes, 60 for FLUX.2's four. They run before the first transformer block, while the GPU has nothing else
     queued, so the GPU waits for the host through all of them: on an H200 the host-bound gaps of a fused
     FLUX.1-dev step are about 2.3 ms, most of them in this prologue (docs/fused.md, "Host time, round 12").
-    ``torch.compile`` fuses them; eager users pay them on every step.
+    ``torch.compile`` fuses them; eager users pay them on every step. No upstream issue or PR as of diffusers
+    0.42.1.
 
 What the patch changes
     Both forwards call ``torchpatches.ops.rope_tables.rope_tables`` (one Triton kernel; the fp64 frequency
-    vectors are computed once per device with diffusers' own ops and kept) when ``ids`` is a plain 2-D float
-    CUDA tensor without gradients, with one column per axis (FLUX.1) or at least as many columns as axes
-    (FLUX.2), and the axes are positive even ints; otherwise diffusers' forward. It steps aside under
-    ``torch.compile``, ``torch.jit.trace``, forward AD and functorch transforms, autocast, module-global hooks,
-    and when a global of the forward (``get_1d_rotary_pos_embed``, ``maybe_adjust_dtype_for_device``) or a function
-    it reaches through ``torch`` (``torch.cat``, ``torch.arange``, ``torch.outer``) is not what it was. Hooks on the
-    embedder run around the fused forward (they see its inputs and the same output).
+    vectors are computed once per device with diffusers' own ops and kept) when ``ids`` is a plain 2-D CUDA
+    tensor of a real float or integer dtype (FLUX.2's pipeline passes int64 ids) without gradients, with one
+    column per axis (FLUX.1) or at least as many columns as axes (FLUX.2), and the axes are positive even ints;
+    otherwise diffusers' forward. It steps aside under ``torch.compile``, ``torch.jit.trace``, forward AD and
+    functorch transforms, autocast, module-global hooks, and when a global of the forward
+    (``get_1d_rotary_pos_embed``, ``maybe_adjust_dtype_for_device``) or a function it reaches through ``torch``
+    (``torch.cat``, ``torch.arange``, ``torch.outer``) is not what it was. Hooks on the embedder run around the
+    fused forward (they see its inputs and the same output).
 
 Tolerance
     The same fp64 frequencies, product, cos / sin (the CUDA math library in both), one rounding to fp32:
-    diffusers' bits on CUDA (checked by the CUDA run of tests/ops/test_rope_tables.py).
+    diffusers' bits on CUDA (checked by the CUDA run of tests/ops/test_rope_tables.py). The source of
+    ``get_1d_rotary_pos_embed`` and ``maybe_adjust_dtype_for_device`` is verified (``Patch.verifies``).
 
 Versions
     diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4.
@@ -34,9 +37,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .._declare import Patch
 from .._lazy import lazy_module
-from ._fused_common import CAT, FALLBACK, FUSED_REQUIRES, fusable, fused_target
+from ..ops._tiers import POSITION_DTYPES, forced_tier
+from ._fused_common import CAT, FALLBACK, FUSED_REQUIRES, fused_target
 
 __all__ = ["PATCH"]
 
@@ -66,8 +72,21 @@ def _theta(self: Any) -> Any:
     return theta if type(theta) in (int, float) and theta > 0 else None
 
 
+def _ids_fit(ids: Any) -> bool:
+    """Plain 2-D position ids of a dtype the op reads (any real float or integer: FLUX.2's pipeline passes int64),
+    on a device the kernel serves, autocast off there, no gradient wanted (the embedder has no parameters)."""
+    return (
+        type(ids) is torch.Tensor
+        and ids.dtype in POSITION_DTYPES
+        and ids.dim() == 2
+        and (ids.device.type == "cuda" or forced_tier() is not None)
+        and not torch.is_autocast_enabled(ids.device.type)
+        and not (ids.requires_grad and torch.is_grad_enabled())
+    )
+
+
 def _tables_for(self: Any, ids: Any, exact_axes: bool) -> Any:
-    if not (fusable(ids, (self,)) and ids.dim() == 2):
+    if not _ids_fit(ids):
         return FALLBACK
     dims, theta = _axes(self), _theta(self)
     if dims is None or theta is None:
@@ -92,5 +111,8 @@ PATCH = Patch(
         fused_target("rope_tables", f"{_FLUX}:FluxPosEmbed.forward", _flux, "9f26fa5cbad33ac0", _ASSUMES),
         fused_target("rope_tables", f"{_FLUX2}:Flux2PosEmbed.forward", _flux2, "6a09d958bc3721c4", _ASSUMES),
     ),
+    # What the replaced forwards call and the op reproduces (diffusers 0.42.1): another source skips the patch.
+    verifies={"diffusers.models.embeddings:get_1d_rotary_pos_embed": frozenset({"0734204c538630d0"}),
+              "diffusers.utils.torch_utils:maybe_adjust_dtype_for_device": frozenset({"a8c927dd2807ee99"})},
     requires=FUSED_REQUIRES,
 )
