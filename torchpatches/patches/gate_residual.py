@@ -124,6 +124,16 @@ def _processor_of(attn: Any, module_name: str, cls_name: str, kwargs: Any) -> An
     return attn.processor
 
 
+def _attention(attn: Any, where: Tuple[str, str], kwargs: Any, processor_args: tuple, **named: Any) -> Any:
+    """``attn(**named, **kwargs)``, the block's call in diffusers 0.42.1; where :func:`_processor_of` allows it, the
+    call that attention's ``forward`` makes instead, ``attn.processor(attn, *processor_args)``, without its
+    signature lookup. ``where``: the (module, class) of the block's stock attention."""
+    processor = _processor_of(attn, *where, kwargs)
+    if processor is not None:
+        return processor(attn, *processor_args)
+    return attn(**named, **(kwargs or {}))
+
+
 def _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
                  img_mlp, txt_mlp, image_rotary_emb, joint_attention_kwargs, attention: Tuple[str, str]):
     """The shared rest of both double blocks (diffusers 0.42.1) from the attention call on, with the glue fused.
@@ -131,17 +141,12 @@ def _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states,
     (module, class) of the block's stock attention."""
     gate_msa, shift_mlp, scale_mlp, gate_mlp = img_mlp
     c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt_mlp
-    processor = _processor_of(self.attn, *attention, joint_attention_kwargs)
-    if processor is not None:  # FluxAttention / Flux2Attention.forward's call, without its signature lookup
-        attn_output, context_attn_output = processor(self.attn, norm_hidden_states, norm_encoder_hidden_states,
-                                                     None, image_rotary_emb)
-    else:
-        attn_output, context_attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            encoder_hidden_states=norm_encoder_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **(joint_attention_kwargs or {}),
-        )
+    attn_output, context_attn_output = _attention(
+        self.attn, attention, joint_attention_kwargs,
+        (norm_hidden_states, norm_encoder_hidden_states, None, image_rotary_emb),  # FluxAttention / Flux2Attention
+        hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+    )
     hidden_states, norm_hidden_states = residual_modulated(
         self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
     )
@@ -188,15 +193,9 @@ def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_
     else:
         slices.gelu_tanh_into(mlp, buf[..., width:])
     del mlp
-    processor = _processor_of(self.attn, _FLUX, "FluxAttention", joint_attention_kwargs)
-    if processor is not None:  # FluxAttention.forward's call, without its signature lookup
-        attn_output = processor(self.attn, norm_hidden_states, None, None, image_rotary_emb)
-    else:
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **(joint_attention_kwargs or {}),
-        )
+    attn_output = _attention(self.attn, (_FLUX, "FluxAttention"), joint_attention_kwargs,
+                             (norm_hidden_states, None, None, image_rotary_emb),
+                             hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
     if _plain(attn_output) and attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype \
             and attn_output.device == buf.device and _plain(buf):
         slices.prechecked(attn_output, buf[..., :width], gelu=False)
@@ -231,15 +230,9 @@ def _flux2_single(self, hidden_states, encoder_hidden_states, temb_mod, image_ro
         hidden_states = joined(encoder_hidden_states, hidden_states)
     mod_shift, mod_scale, mod_gate = sys.modules[_FLUX2].Flux2Modulation.split(temb_mod, 1)[0]
     norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=pattern_on("adaln"))
-    processor = _processor_of(self.attn, _FLUX2, "Flux2ParallelSelfAttention", joint_attention_kwargs)
-    if processor is not None:  # Flux2ParallelSelfAttention.forward's call, without its signature lookup
-        attn_output = processor(self.attn, norm_hidden_states, None, image_rotary_emb)
-    else:
-        attn_output = self.attn(
-            hidden_states=norm_hidden_states,
-            image_rotary_emb=image_rotary_emb,
-            **(joint_attention_kwargs or {}),
-        )
+    attn_output = _attention(self.attn, (_FLUX2, "Flux2ParallelSelfAttention"), joint_attention_kwargs,
+                             (norm_hidden_states, None, image_rotary_emb),  # no encoder_hidden_states parameter
+                             hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
     hidden_states = residual(hidden_states, mod_gate, attn_output, clip=True)
     if split_hidden_states:
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
