@@ -10,7 +10,8 @@ For each axis ``i`` (``len(axes_dim)`` of them, one column of ``ids`` each) diff
 computes ``freqs = 1.0 / (theta ** (arange(0, dim, 2, float64) / dim))`` (``/ 1.0``), then
 ``outer(ids[:, i].float(), freqs)`` in float64, its ``cos`` and ``sin``, each repeated twice along the columns
 (``repeat_interleave(2)``) and rounded to float32; the axes' tables are concatenated. About fourteen kernel
-launches per axis (42 for FLUX.1, 56 for FLUX.2), all before the first transformer block can start.
+launches per axis, with the casts and concatenations 44 per call for FLUX.1's three axes and 58 for FLUX.2's four
+(the launches the op removed from a step, measured: docs/fused.md), all before the first transformer block.
 
 Tiers (``_tiers``): Triton on CUDA (one kernel; the frequency vectors are computed once per device, theta and
 axes with diffusers' own ops, and cached), PyTorch elsewhere and for calls autograd records (diffusers' code).
