@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 __all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
            "save_json", "compile_once", "command_line", "Clocks", "integer_rounding", "cuda_kernel", "host_us_per_call",
-           "stubbed_launches"]
+           "stubbed_launches", "GcPauses"]
 
 
 def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -55,12 +55,14 @@ def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: to
 
 
 def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters: int,
-               before_each: Optional[Callable[[], Any]] = None) -> Tuple[List[float], List[float]]:
+               before_each: Optional[Callable[[], Any]] = None,
+               host_cpu: Optional[List[float]] = None) -> Tuple[List[float], List[float]]:
     """(step ms from CUDA events, host ms to enqueue the step): host close to step means CPU-bound.
 
     Each step starts on an empty queue (the previous one synchronized), so host ms is the wall time of
     enqueueing ``step()`` alone. ``before_each`` runs before each timed step, outside the timing (a barrier
-    that starts every rank's step together)."""
+    that starts every rank's step together). ``host_cpu``, a list, receives this thread's CPU ms for the same
+    stretch (CUDA only): wall well above it means the thread waited (a sync, a busy host), not that it worked."""
     for _ in range(warmup):
         step()
     times, host = [], []
@@ -78,9 +80,11 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters
             before_each()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         step()
         host.append((time.perf_counter() - t) * 1e3)
+        if host_cpu is not None:
+            host_cpu.append((time.thread_time() - cpu) * 1e3)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -103,6 +107,46 @@ def time_back_to_back(step: Callable[[], Any], iters: int, repeats: int,
         end.synchronize()
         per.append(start.elapsed_time(end) / iters)
     return per
+
+
+class GcPauses:
+    """Python's garbage-collector passes inside timed stretches: count and ms per generation (``gc.callbacks``).
+
+    A full (generation 2) pass walks every tracked object of the process -- with torch and a diffusers model loaded,
+    long enough to show in a host-bound step; under context parallelism the other rank waits for it at the next
+    exchange. ``with pauses:`` marks a stretch; ``take()`` returns and clears what it saw:
+    ``{"gc0": n, "gc0_ms": ms, ..., "gc2_ms": ms}``."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self._gc = gc
+        self._on = False
+        self._started: Optional[float] = None
+        self._seen: Dict[str, float] = {}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: Dict[str, Any]) -> None:
+        if not self._on:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            key = f"gc{info['generation']}"
+            self._seen[key] = self._seen.get(key, 0) + 1
+            self._seen[f"{key}_ms"] = self._seen.get(f"{key}_ms", 0.0) + (time.perf_counter() - self._started) * 1e3
+            self._started = None
+
+    def __enter__(self) -> "GcPauses":
+        self._on = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._on = False
+
+    def take(self) -> Dict[str, float]:
+        seen, self._seen = self._seen, {}
+        return {k: round(v, 3) for k, v in sorted(seen.items())}
 
 
 class Clocks:

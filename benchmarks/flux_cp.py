@@ -42,6 +42,7 @@ import _bench  # noqa: E402,I001  (before torch: turns Inductor's caches off)
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402
+import gc  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Dict, Iterator, List, Optional  # noqa: E402
@@ -49,7 +50,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _bench import profile, rel_err, save_json, state, time_back_to_back, time_steps, versions  # noqa: E402
+from _bench import GcPauses, profile, rel_err, save_json, state, time_back_to_back, time_steps, versions  # noqa: E402
 from _dit_models import SPECS  # noqa: E402
 from flux_fused import CONFIGS, TINY, build, inputs  # noqa: E402
 
@@ -156,17 +157,26 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
         call = wrapper if variant.startswith("graphed:") else model
         step_of[variant] = lambda call=call: call(**feed)
     rows: Dict[str, Any] = {v: {"rounds": []} for v in variants}
+    pauses = GcPauses()
     with torch.no_grad():
         for round_ in range(args.rounds):
             for variant in variants:
                 with state(variant.split(":")[-1]):
                     step = step_of[variant]
                     together = functools.partial(_barrier, device)
-                    times, host = time_steps(step, device, args.warmup, args.iters, before_each=together)
-                    timing = {"step_ms": statistics.median(times), "host_ms": statistics.median(host)}
+                    cpu: List[float] = []
+                    pauses.take()
+                    with pauses:
+                        times, host = time_steps(step, device, args.warmup, args.iters, before_each=together,
+                                                 host_cpu=cpu)
+                    timing = {"step_ms": statistics.median(times), "host_ms": statistics.median(host),
+                              "steps_ms": [round(t, 2) for t in times], "hosts_ms": [round(h, 2) for h in host],
+                              "host_cpu_ms": [round(c, 2) for c in cpu], "gc_steps": pauses.take()}
                     if args.back_to_back and device.type == "cuda":
-                        timing["back_to_back_ms"] = statistics.median(
-                            time_back_to_back(step, args.back_to_back, 3, sync=together))
+                        with pauses:
+                            b2b = time_back_to_back(step, args.back_to_back, 3, sync=together)
+                        timing.update(back_to_back_ms=statistics.median(b2b), back_to_backs_ms=b2b,
+                                      gc_back_to_back=pauses.take())
                     rows[variant]["rounds"].append(timing)
                     if round_ == 0:
                         rows[variant]["output"] = step()[0].float().cpu()
@@ -229,7 +239,11 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, results
         t0 = time.perf_counter()
         model = (build(name, config, device, dtype) if setting == "one-gpu"
                  else parallel_model(name, setting, args, device, dtype))
+        if args.gc_freeze:  # as a server does once its model is loaded: a full pass no longer walks it
+            gc.collect()
+            gc.freeze()
         rows = measure_setting(model, feed, args, device)
+        gc.unfreeze()
         del model
         if reference is None:  # one GPU's vanilla; without that setting, the first setting's
             reference = rows["vanilla"]["output"]
@@ -250,6 +264,28 @@ def _x(value: Optional[float], base: Optional[float]) -> str:
     return f"{value / base:8.3f}x" if value is not None and base else f"{'-':>9}"
 
 
+def print_rounds(setting: str, entry: Dict[str, Any]) -> None:
+    """Every round, the slowest rank: step / back to back ms and their ratios to vanilla (goal 6 asks every one to be
+    at or under 1), the ranks' thread CPU ms (median step) and Python's full GC passes in the timed stretches."""
+    ranks = entry[setting]
+    variants = [v for v in ranks[0] if v not in ("graph_info", "launch_fallbacks")]
+
+    def worst(variant: str, index: int, key: str) -> float:
+        return max(rank[variant]["rounds"][index].get(key) or 0.0 for rank in ranks)
+
+    for index in range(len(ranks[0]["vanilla"]["rounds"])):
+        base = worst("vanilla", index, "step_ms"), worst("vanilla", index, "back_to_back_ms")
+        cells = []
+        for variant in variants:
+            step, b2b = worst(variant, index, "step_ms"), worst(variant, index, "back_to_back_ms")
+            cpu = max(statistics.median(r[variant]["rounds"][index].get("host_cpu_ms") or [0.0]) for r in ranks)
+            full = [int(r[variant]["rounds"][index].get(k, {}).get("gc2", 0)) for r in ranks
+                    for k in ("gc_steps", "gc_back_to_back")]
+            cells.append(f"{variant} {step:.1f}/{b2b:.1f} ({step / base[0]:.3f}x/{b2b / base[1] if base[1] else 0:.3f}x)"
+                         f" cpu {cpu:.1f} gc2 {sum(full)}")
+        print(f"{'':<9} round {index + 1}: " + " | ".join(cells))
+
+
 def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float) -> None:
     """The setting's rows: the slowest rank's best round; ratios to this setting's vanilla and one GPU's."""
     if setting == next(iter(entry)):
@@ -264,6 +300,7 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
         print(f"{setting:<16} {variant:<15} {step:7.1f} {host:7.1f} {b2b if b2b is not None else float('nan'):7.1f} "
               f"{_x(step, slowest(entry, setting, 'vanilla', 'step_ms'))} "
               f"{_x(b2b, slowest(entry, setting, 'vanilla', 'back_to_back_ms'))} {_x(step, one)} {err:9.2e}")
+    print_rounds(setting, entry)
     if "graph_info" in rows:
         print(f"{'':<9} graphs (rank 0): {rows['graph_info']}")
     for variant, row in rows.items():
@@ -304,6 +341,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="rank 0's kernel time by class, per variant")
     p.add_argument("--host-profile", type=int, default=0, metavar="TOP",
                    help="cProfile 3 steps of vanilla and all per setting: self time by group, the TOP functions")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.collect(); gc.freeze() once each setting's model is built (Python's full collections "
+                        "then skip every object that existed by then)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny configs, gloo")
     p.add_argument("--json", help="write the results here (rank 0)")
     args = p.parse_args(argv)
