@@ -9,9 +9,11 @@
 with nox already installed, plain ``nox`` does the same. Environments live in ``.nox/`` and are
 reused between runs (pip then only checks them); ``--reuse-venv=no`` rebuilds them.
 
-Sessions select tests by marker (``MATRIX``; markers in setup.cfg): the full suite under torch 2.11.0 and
-the newest release, the fast set (``-m "not slow"``) plus what differs by release under the others, the
-diffusers patches' per-release tests under older diffusers. Each prints its pytest time.
+Sessions select tests by marker and path (``MATRIX``; markers in setup.cfg): the full suite under torch 2.11.0
+and the newest release, the fast set (``-m "not slow"``) and the ``once`` tests under 2.13.0, under 2.12.1 what
+it is in the matrix for (inductor_realize, the Inductor cache key, the kernels under its triton), the diffusers
+patches' per-release tests under older diffusers (pytest-xdist wherever a run has several files). Each prints its
+pytest time.
 
 Each session installs ``requirements/torch-<version>.txt`` together with ``-e .[test]`` in one pip
 resolve, so every torch brings the triton it declares; only what must be pinned is pinned there and
@@ -26,7 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Sequence
 
 import nox
 
@@ -37,19 +39,28 @@ REQUIREMENTS = ROOT / "requirements"
 FULL = "not once"  # the whole suite but what one session runs for all
 FAST = "not slow"  # what runs in seconds; a release's own tests are added by marker
 
-#: torch release -> (why it is in the matrix, pytest's -m selection). The default sessions are what CI runs.
+#: torch release -> (why it is in the matrix, pytest's -m selection, the test paths: all when empty). The default
+#: sessions are what CI runs.
 MATRIX = {
-    "2.11.0": ("the release inductor_realize was written for (CUDA build, runs on the CPU)", FULL),
-    # The release besides 2.11 where inductor_realize applies; unlike 2.11 it keeps config overrides
-    # per thread (ContextVar), so an applied Inductor patch meets that config model only here.
+    "2.11.0": ("the release inductor_realize was written for (CUDA build, runs on the CPU)", FULL, ()),
+    # The release besides 2.11 where inductor_realize applies; unlike 2.11 it keeps config overrides per thread
+    # (ContextVar), so an applied Inductor patch meets that config model only here. Between two releases that run
+    # the whole fast set (2.11, 2.13), it runs what it is here for: inductor_realize and the Inductor cache key, and
+    # the kernels under the triton this release brings (since issue 17 round 13, for CI's time budget).
     "2.12.1": ("the other release with 2.11's realize rule (CUDA build, runs on the CPU)",
-               f"({FAST} and not once) or inductor_realize"),
+               f"({FAST} and not once) or inductor_realize",
+               ("tests/patches/test_inductor_realize.py", "tests/test_cache_key.py", "tests/test_cache_key_hostile.py",
+                "tests/ops")),
     # -OO recompiles torch's and diffusers' bytecode (half a minute): once, here, where torch is a local wheel.
-    "2.13.0": ("a release whose Inductor rule differs (inductor_realize skipped); CPU wheel", f"{FAST} or once"),
-    "2.15.0": ("the newest release (CUDA build from PyPI, runs on the CPU)", FULL),
+    "2.13.0": ("a release whose Inductor rule differs (inductor_realize skipped); CPU wheel", f"{FAST} or once", ()),
+    "2.15.0": ("the newest release (CUDA build from PyPI, runs on the CPU)", FULL, ()),
 }
 #: Sessions that exist but are not run by default (none today; e.g. a release being evaluated): as MATRIX.
 EXTRA: dict = {}
+
+#: pytest-xdist's arguments where a run has several files: one worker per core, a file's tests in one worker (in
+#: order, sharing their fixtures).
+XDIST = ["-n", "auto", "--dist", "loadfile"]
 
 #: diffusers releases tested besides 0.42.1 (which every tests-<torch> session runs), under torch 2.13.0:
 #: release -> (why, pytest runs: each a list of arguments). Only what differs by diffusers release runs
@@ -58,7 +69,7 @@ EXTRA: dict = {}
 _PER_RELEASE = [
     ["tests/patches/test_rope_patch.py", "tests/patches/test_compile_warnings.py", "tests/patches/test_cp_all_to_all.py",
      "tests/patches/test_cp_ring_attention.py", "tests/patches/test_cp_ulysses_anything.py",
-     "tests/patches/test_qwenimage_text_seq_len.py", "-m", f"{FAST} or by_diffusers"],
+     "tests/patches/test_qwenimage_text_seq_len.py", "-m", f"{FAST} or by_diffusers", *XDIST],
     ["tests/test_doctor.py", "-k", "flux", "-m", FAST],
 ]
 DIFFUSERS = {
@@ -124,7 +135,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
         session.log(f"pytest {' '.join(args)}: {time.monotonic() - started:.0f} s")
 
 
-def _tests(session: nox.Session, version: str, selection: str) -> None:
+def _tests(session: nox.Session, version: str, selection: str, paths: Sequence[str]) -> None:
     requirements = REQUIREMENTS / f"torch-{version}.txt"
     session.install("-r", str(requirements), "-e", ".[test]", env=_pip_env())
     session.run(
@@ -137,28 +148,28 @@ def _tests(session: nox.Session, version: str, selection: str) -> None:
     # suite is CPU-bound Python (Dynamo, Inductor's lowering): on 2 cores the torch 2.15.0 suite took 393 s
     # instead of 665 s (same 771 passed, 61 skipped).
     # --durations: the slowest tests in every CI log, for the time budget (docs/development.md)
-    _pytest(session, "-m", selection, "-n", "auto", "--dist", "loadfile", "--durations=15")
+    _pytest(session, *paths, "-m", selection, *XDIST, "--durations=15")
 
 
-def _register(version: str, why: str, selection: str, default: bool) -> None:
+def _register(version: str, why: str, selection: str, paths: Sequence[str], default: bool) -> None:
     def tests(session: nox.Session) -> None:
-        _tests(session, version, selection)
+        _tests(session, version, selection, paths)
 
-    tests.__doc__ = f"pytest -m '{selection}' under torch {version}: {why}"
+    tests.__doc__ = f"pytest {' '.join(paths)}{' ' if paths else ''}-m '{selection}' under torch {version}: {why}"
     nox.session(name=f"tests-{version}", tags=["tests"] if default else ["extra"])(tests)
 
 
-for _version, (_why, _selection) in MATRIX.items():
-    _register(_version, _why, _selection, default=True)
-for _version, (_why, _selection) in EXTRA.items():
-    _register(_version, _why, _selection, default=False)
+for _version, (_why, _selection, _paths) in MATRIX.items():
+    _register(_version, _why, _selection, _paths, default=True)
+for _version, (_why, _selection, _paths) in EXTRA.items():
+    _register(_version, _why, _selection, _paths, default=False)
 
 
 def _register_diffusers(version: str, why: str, pytest_runs: list) -> None:
     def diffusers(session: nox.Session) -> None:
         # No [test] extra (it pins diffusers 0.42.1): its test tools, and this diffusers release.
-        session.install("-r", str(REQUIREMENTS / "torch-2.13.0.txt"), "-e", ".", "pytest>=7", "hypothesis>=6.80",
-                        f"diffusers=={version}", env=_pip_env())
+        session.install("-r", str(REQUIREMENTS / "torch-2.13.0.txt"), "-e", ".", "pytest>=7", "pytest-xdist>=3.5",
+                        "hypothesis>=6.80", f"diffusers=={version}", env=_pip_env())
         session.run("python", "-c", "import diffusers, torch; print(f'diffusers {diffusers.__version__}, torch {torch.__version__}')")
         for args in pytest_runs:
             _pytest(session, *args)
@@ -183,15 +194,15 @@ def peft_accelerate(session: nox.Session) -> None:
                     "-e", ".[test]", env=_pip_env())
     session.run("python", "-c", "import peft, accelerate, accelerate.hooks, torch; "
                 "print(f'peft {peft.__version__}, accelerate {accelerate.__version__}, torch {torch.__version__}')")
-    # Every model's LoRA case (FLUX.1, and SD3 / Wan / QwenImage parametrized) and the accelerate hooks.
-    _pytest(session, "tests/patches/test_fused_patches.py", "-k", "lora or accelerate", "-rs")
-    # the lora pattern (peft's LoRA layers); lora_scale's cases with peft (its walk runs in every session)
-    _pytest(session, "tests/patches/test_lora.py", "tests/patches/test_lora_scale.py", "-rs")
-    # The adapter invalidations of the remembered verdicts and the CUDA graphs (they skip where peft is absent, as
-    # in the tests-<torch> sessions); QwenImage's accelerate-hook case; a FluxPipeline through the CUDA-graph
-    # wrapper (it needs transformers, which peft brings).
-    _pytest(session, "tests/patches/test_fused_verdicts.py", "tests/test_cuda_graphs.py",
-            "tests/patches/test_fused_qwenimage.py", "-k", "lora or peft or accelerate or pipeline", "-rs")
+    # One run (-k also matches the module's name, so test_lora*.py run whole):
+    # - every model's LoRA case (FLUX.1, and SD3 / Wan / QwenImage parametrized) and the accelerate hooks;
+    # - the lora pattern (peft's LoRA layers); lora_scale's cases with peft (its walk runs in every session);
+    # - the adapter invalidations of the remembered verdicts and the CUDA graphs (they skip where peft is absent,
+    #   as in the tests-<torch> sessions); QwenImage's accelerate-hook case; a FluxPipeline through the CUDA-graph
+    #   wrapper (it needs transformers, which peft brings).
+    _pytest(session, "tests/patches/test_fused_patches.py", "tests/patches/test_lora.py",
+            "tests/patches/test_lora_scale.py", "tests/patches/test_fused_verdicts.py", "tests/test_cuda_graphs.py",
+            "tests/patches/test_fused_qwenimage.py", "-k", "lora or accelerate or peft or pipeline", "-rs", *XDIST)
 
 
 @nox.session(python=False)

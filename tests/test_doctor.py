@@ -232,6 +232,9 @@ def _main(capsys: pytest.CaptureFixture, *argv: str) -> Tuple[int, str, str]:
     return code, out, err
 
 
+# the CLI's process plumbing (fresh Pythons, files, exit codes), the same on every torch release; what
+# Dynamo reports per release is the in-process doctor tests' subject
+@pytest.mark.once
 @pytest.mark.slow
 def test_cli_and_api_agree_on_flux(tmp_path: Path, flux_report: "_doctor.DoctorReport") -> None:
     script = tmp_path / "flux_3d.py"
@@ -252,6 +255,8 @@ def test_cli_and_api_agree_on_flux(tmp_path: Path, flux_report: "_doctor.DoctorR
     assert "fixed by compile_warnings" in done.stdout
 
 
+# the CLI's process plumbing: see test_cli_and_api_agree_on_flux
+@pytest.mark.once
 def test_cli_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     script = tmp_path / "item.py"
     script.write_text(textwrap.dedent(f"""
@@ -471,6 +476,8 @@ def test_cli_usage_errors_say_what_is_wrong(tmp_path: Path, capsys: pytest.Captu
     assert _main(capsys, str(tmp_path))[0] == 2  # a directory is not a script
 
 
+# the CLI's process plumbing: see test_cli_and_api_agree_on_flux
+@pytest.mark.once
 def test_cli_with_the_patch_disabled_by_the_environment(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("diffusers")
@@ -552,6 +559,8 @@ if __name__ == "__main__":
 """
 
 
+# the CLI's process plumbing: see test_cli_and_api_agree_on_flux
+@pytest.mark.once
 def test_cli_each_run_is_a_fresh_python_and_json_stays_alone_on_stdout(tmp_path: Path) -> None:
     script = tmp_path / "hostile.py"
     script.write_text(_HOSTILE)
@@ -678,6 +687,8 @@ class _ClosedPipe:
         return self._file.fileno()
 
 
+# the CLI's process plumbing: see test_cli_and_api_agree_on_flux
+@pytest.mark.once
 def test_a_closed_stdout_exits_141_without_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from torchpatches import __main__ as cli
 

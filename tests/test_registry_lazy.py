@@ -137,6 +137,8 @@ def test_lazy_targets_declaration_is_checked(module: str, build) -> None:
         LazyTargets(module, build)
 
 
+# a fresh process: the lazy table's import order, the same on every torch release
+@pytest.mark.once
 def test_compile_warnings_table_waits_for_diffusers() -> None:
     """``import torchpatches`` declares compile_warnings without its 71 targets; diffusers' import builds them."""
     pytest.importorskip("diffusers")

@@ -54,6 +54,8 @@ def _call_in_worker(fn: Any) -> str:
     return f"{fn.__module__}.{fn.__qualname__}"
 
 
+# a spawn worker: pickling by qualified name, the same on every torch release
+@pytest.mark.once
 def test_patched_apply_rotary_emb_goes_to_a_spawn_worker() -> None:
     import diffusers.models.embeddings as embeddings
 

@@ -206,6 +206,8 @@ def test_a_call_the_op_refuses_goes_to_the_original(
     assert torch.equal(patched(x, freqs, sequence_dim=1), original_function()(x, freqs, sequence_dim=1))
 
 
+# a fresh process: the registry's late imports and revert, the same on every torch release
+@pytest.mark.once
 def test_environment_disable_and_modules_imported_after_the_patch() -> None:
     """TORCHPATCHES_DISABLE=rope leaves diffusers untouched; FLUX modules imported after an apply
     get the replacement; revert restores every one of them by identity. In a fresh process, so

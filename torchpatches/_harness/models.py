@@ -199,14 +199,15 @@ def _flux1_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], de
 
 def _flux2_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
                   dtype: torch.dtype, side: int = 4, text_tokens: int = 8) -> Dict[str, Any]:
-    """As Flux2Pipeline passes them: ids ``[1, S, 4]`` (t, h, w, l) of the latent grid and of the text."""
-    zero, grid = torch.zeros(1), torch.arange(float(side))
+    """As Flux2Pipeline passes them: int64 ids ``[1, S, 4]`` (t, h, w, l; ``cartesian_prod`` of ``arange``s) of the
+    latent grid and of the text."""
+    zero, grid = torch.arange(1), torch.arange(side)
     kwargs = dict(
         hidden_states=randn(1, side * side, config["in_channels"]),
         encoder_hidden_states=randn(1, text_tokens, config["joint_attention_dim"]),
         timestep=torch.tensor([0.5], device=device, dtype=dtype),
         img_ids=torch.cartesian_prod(zero, grid, grid, zero)[None].to(device),
-        txt_ids=torch.cartesian_prod(zero, zero, zero, torch.arange(float(text_tokens)))[None].to(device),
+        txt_ids=torch.cartesian_prod(zero, zero, zero, torch.arange(text_tokens))[None].to(device),
         return_dict=False,
     )
     if config["guidance_embeds"]:
