@@ -118,13 +118,25 @@ LORA = {
 }
 
 
+def repeatable_inductor() -> ContextManager[None]:
+    """Inductor's config for a compile whose bits a test compares with another compile's: the FX graph cache off,
+    and no choice by on-device timing where it changes numerics (``deterministic``, torch >= 2.11). On a GPU,
+    Inductor times several configs of a reduction at its first run and keeps the fastest, so two compiles of one
+    graph may sum in another order: 1-ulp differences between two fresh compiles of the same tiny FLUX on an H200
+    (issue 17 round 13; round 10's unexplained CUDA-only QwenImage failure of the same check). Not on the CPU."""
+    options: Dict[str, Any] = {"fx_graph_cache": False}
+    if hasattr(torch._inductor.config, "deterministic"):
+        options["deterministic"] = True
+    return torch._inductor.config.patch(options)
+
+
 def regional_compile_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[torch.Tensor, List[str]]:
     """One forward of ``model`` with its repeated blocks compiled (diffusers' ``compile_repeated_blocks``, fullgraph;
-    Dynamo reset, the FX graph cache off) and the code Inductor generated; the blocks are eager again after."""
+    Dynamo reset, ``repeatable_inductor``) and the code Inductor generated; the blocks are eager again after."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+    with repeatable_inductor(), torch.no_grad():
         model.compile_repeated_blocks(fullgraph=True)
         try:
             return run_and_get_code(lambda: model(**inputs, return_dict=False)[0])

@@ -21,7 +21,8 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, LORA, exact, reverted, run, run_hooked, same, tiny  # noqa: E402
+from _fused_models import (DEVICE, FUSED, LORA, exact, repeatable_inductor, reverted, run, run_hooked, same,  # noqa: E402
+                           tiny)
 from diffusers.models import activations, normalization  # noqa: E402,F401  (the patch targets load)
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches import _gates  # noqa: E402
@@ -569,7 +570,7 @@ def compile_and_count(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[t
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+    with repeatable_inductor(), torch.no_grad():
         compiled = torch.compile(model, fullgraph=True)
         out, codes = run_and_get_code(lambda: compiled(**inputs, return_dict=False)[0])
     return out, count_kernels(codes)
