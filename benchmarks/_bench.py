@@ -115,7 +115,7 @@ class GcPauses:
     A full (generation 2) pass walks every tracked object of the process -- with torch and a diffusers model loaded,
     long enough to show in a host-bound step; under context parallelism the other rank waits for it at the next
     exchange. ``with pauses:`` marks a stretch; ``take()`` returns and clears what it saw:
-    ``{"gc0": n, "gc0_ms": ms, ..., "gc2_ms": ms}``."""
+    ``{"gc0": n, "gc0_ms": ms, ..., "gc2_ms": ms}``; ``close()`` when done."""
 
     def __init__(self) -> None:
         import gc
@@ -147,6 +147,11 @@ class GcPauses:
     def take(self) -> Dict[str, float]:
         seen, self._seen = self._seen, {}
         return {k: round(v, 3) for k, v in sorted(seen.items())}
+
+    def close(self) -> None:
+        """Stop listening (the callback leaves ``gc.callbacks``)."""
+        if self._callback in self._gc.callbacks:
+            self._gc.callbacks.remove(self._callback)
 
 
 class Clocks:

@@ -188,6 +188,7 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
             for variant in ("vanilla", "all"):
                 with state(variant):
                     rows[variant]["host_profile"] = profile_steps(step_of[variant], device, 3, args.host_profile)
+    pauses.close()
     if wrapper is not None:
         rows["graph_info"] = repr(wrapper.info())
     rows["launch_fallbacks"] = launch_fallbacks()
