@@ -14,6 +14,7 @@ os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 
 import contextlib  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
@@ -118,9 +119,6 @@ class GcPauses:
     ``{"gc0": n, "gc0_ms": ms, ..., "gc2_ms": ms}``; ``close()`` when done."""
 
     def __init__(self) -> None:
-        import gc
-
-        self._gc = gc
         self._on = False
         self._started: Optional[float] = None
         self._seen: Dict[str, float] = {}
@@ -150,8 +148,8 @@ class GcPauses:
 
     def close(self) -> None:
         """Stop listening (the callback leaves ``gc.callbacks``)."""
-        if self._callback in self._gc.callbacks:
-            self._gc.callbacks.remove(self._callback)
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 class Clocks:

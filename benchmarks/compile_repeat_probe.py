@@ -5,8 +5,9 @@ patterns disabled, then applied (they step aside while Dynamo traces), and asser
 same output bit for bit. On a GPU, Inductor benchmarks several configs of a reduction at its first run and keeps
 the fastest, so two compiles of one graph may sum in another order. This probe compiles the same model three times
 (patterns off, off again, on), each from scratch (no FX graph cache), and prints, per pair, whether the generated
-kernels have the same names and the outputs are equal (max abs difference), for each ids dtype given. (The raw
-file of round 13 also has a "code equal" column, always False: the generated code carries paths and times.)
+code is the same (``qwen_compile_probe.normalized``: without comments, temp paths and hashes), the kernel counts
+and whether the outputs are equal (max abs difference), for each ids dtype given. (The raw file of round 13 came
+from a first version that compared the raw code, always unequal, and kernel names.)
 
     python benchmarks/compile_repeat_probe.py --models flux2 --device cuda --json probe.json
     python benchmarks/compile_repeat_probe.py --models flux2 --ids float,int64      # CPU
@@ -21,32 +22,30 @@ sys.path.insert(0, HERE)
 import _bench  # noqa: E402,I001  (before torch: turns Inductor's caches off)
 
 import argparse  # noqa: E402
-import re  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
 
 import torchpatches  # noqa: E402
+from qwen_compile_probe import normalized  # noqa: E402  (the same code comparison, for a regional compile)
 from torchpatches import testing  # noqa: E402
+from torchpatches._harness import count_kernels  # noqa: E402
 from torchpatches.ops._tiers import force_tier  # noqa: E402
 
-
-#: the eager fusion patterns (tests/patches/_fused_models.py's FUSED)
-FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "rope_tables", "sd3_qk_norm", "sd3_block",
-         "wan_block", "wan_qk_norm_rope", "qwenimage_block", "qwenimage_qk_norm_rope")
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "patches"))
+from _fused_models import FUSED  # noqa: E402
 
 
 def compile_once(model: torch.nn.Module, inputs: Dict[str, Any]) -> Dict[str, Any]:
+    """One fresh fullgraph compile (Dynamo reset, no FX graph cache; Inductor's default choices, timed ones included:
+    what the probe looks at): the output, the generated code without comments, paths and hashes, its kernels."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
         compiled = torch.compile(model, fullgraph=True)
         out, codes = run_and_get_code(lambda: compiled(**inputs, return_dict=False)[0])
-    code = "\n".join(codes)
-    # kernel names carry a hash of their source: the same names, the same kernels
-    names = sorted(set(re.findall(r"\b(triton_\w+|cpp_fused_\w+)\b", code)))
-    return {"out": out.float().cpu(), "code": code, "kernels": names}
+    return {"out": out.float().cpu(), "code": normalized(codes), "kernels": count_kernels(codes)}
 
 
 def probe(which: str, ids_dtype: str, device: torch.device) -> Dict[str, Any]:
@@ -65,8 +64,8 @@ def probe(which: str, ids_dtype: str, device: torch.device) -> Dict[str, Any]:
     rows = []
     for a, b in (("off", "off again"), ("off", "on"), ("off again", "on")):
         diff = (runs[a]["out"] - runs[b]["out"]).abs().max().item()
-        rows.append({"pair": f"{a} / {b}", "same_kernel_names": runs[a]["kernels"] == runs[b]["kernels"],
-                     "kernels": (len(runs[a]["kernels"]), len(runs[b]["kernels"])),
+        rows.append({"pair": f"{a} / {b}", "same_code": runs[a]["code"] == runs[b]["code"],
+                     "kernels": (runs[a]["kernels"], runs[b]["kernels"]),
                      "equal_outputs": diff == 0.0, "max_abs_diff": diff})
     return {"model": which, "ids": ids_dtype, "device": str(device), "rows": rows}
 
@@ -84,8 +83,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             result = probe(which, ids, torch.device(args.device))
             results["probes"].append(result)
             for row in result["rows"]:
-                print(f"{which:8} ids {ids:8} {row['pair']:18} kernel names equal "
-                      f"{row['same_kernel_names']!s:5} kernels {row['kernels']} outputs equal "
+                print(f"{which:8} ids {ids:8} {row['pair']:18} code equal {row['same_code']!s:5} "
+                      f"kernels {row['kernels']} outputs equal "
                       f"{row['equal_outputs']!s:5} max |diff| {row['max_abs_diff']:.3e}", flush=True)
     if args.json:
         _bench.save_json(args.json, results)
