@@ -140,6 +140,9 @@ def test_a_replacement_is_never_mistaken_for_an_original(target) -> None:
     assert _state(second) is PatchState.DISABLED
 
 
+# a fresh process (a reload in this one would leave other tests a second torchpatches): the registry's own
+# bookkeeping across a reload, the same on every torch release
+@pytest.mark.once
 def test_reload_of_torchpatches_then_revert_restores_diffusers_originals() -> None:
     code = textwrap.dedent(
         """
