@@ -274,8 +274,9 @@ def state(variant: str) -> Iterator[None]:
     (:func:`integer_rounding`); ``modulate:NAME``: ``all`` with a variant of the modulate kernel
     (``modulate_variants.py``); ``checked``: ``all`` with the fusion patterns calling the ops' checked public entries
     instead of their ``prechecked`` ones (:func:`checked_entries`); ``attn-forward``: ``all`` with the FLUX blocks
-    calling their attention modules (:func:`attention_forward`). A trailing ``+`` (a repeated measurement) is
-    ignored."""
+    calling their attention modules (:func:`attention_forward`); ``module-calls``: ``all`` with the fused paths calling
+    their stock ``nn.Linear`` / ``nn.Dropout`` layers as modules (:func:`module_calls`). A trailing ``+`` (a repeated
+    measurement) is ignored."""
     import torchpatches
 
     base = variant.rstrip("+")
@@ -294,6 +295,9 @@ def state(variant: str) -> Iterator[None]:
             yield
     elif base == "attn-forward":
         with attention_forward():
+            yield
+    elif base == "module-calls":
+        with module_calls():
             yield
     elif base.startswith("modulate:"):
         from modulate_variants import variant
@@ -320,6 +324,33 @@ def attention_forward() -> Iterator[None]:
         yield
     finally:
         gate_residual._processor_of = direct
+
+
+@contextlib.contextmanager
+def module_calls() -> Iterator[None]:
+    """``all`` with every fused path calling its stock ``nn.Linear`` / ``nn.Dropout`` layers as modules (what they did
+    before issue 17 round 14's ``_fused_common.linear`` / ``dropout``), for an A/B of that change in one process: the
+    names are swapped in each patch module that imported them."""
+    import importlib
+
+    import torchpatches.patches as patches
+    from torchpatches.patches import _fused_common
+
+    modules = [importlib.import_module(f"{patches.__name__}.{name}") for name in _PATCHES_WITH_DIRECT_CALLS]
+    swaps = [(m, name) for m in modules for name in ("linear", "dropout") if getattr(m, name, None) is getattr(
+        _fused_common, name)]
+    for module, name in swaps:
+        setattr(module, name, lambda layer, x: layer(x))
+    try:
+        yield
+    finally:
+        for module, name in swaps:
+            setattr(module, name, getattr(_fused_common, name))
+
+
+#: The patch modules that call ``_fused_common.linear`` / ``dropout`` (:func:`module_calls`).
+_PATCHES_WITH_DIRECT_CALLS = ("adaln", "gate_residual", "qk_norm_rope", "sd3_block", "sd3_qk_norm", "wan_qk_norm_rope",
+                              "qwenimage_qk_norm_rope")
 
 
 @contextlib.contextmanager

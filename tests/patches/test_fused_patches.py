@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -451,6 +452,156 @@ def test_attention_subclass_goes_through_its_forward(calls: Dict[str, int], monk
     with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref) and Traced.entered == 1
+
+
+# ---- stock Linear and Dropout layers without the module call path --------------------------------
+
+#: The layers a fused FLUX path calls as their ``forward`` would, when stock (``_fused_common.linear`` /
+#: ``dropout``): the adaLN embedding linears, the attention projections and output layers, the single blocks'
+#: MLP in and out (FLUX.1) and fused projection (FLUX.2), the output norm's linear.
+_DIRECT = re.compile(r"^norm_out\.linear$|(transformer_blocks|single_transformer_blocks)\.\d+\.(norm1(_context)?\.linear|norm\.linear|"
+                     r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out(\.[01])?|to_add_out|to_qkv_mlp_proj)|"
+                     r"proj_mlp|proj_out)$")
+
+
+@pytest.fixture
+def layer_calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """Which ``nn.Linear`` / ``nn.Dropout`` modules were called as modules, by id (a class-level ``__call__`` spy: the
+    direct path does not pass through it)."""
+    seen: collections.Counter = collections.Counter()
+    for cls in (torch.nn.Linear, torch.nn.Dropout):
+        def spy(self: Any, *args: Any, _call: Callable[..., Any] = torch.nn.Module.__call__, **kwargs: Any) -> Any:
+            seen[id(self)] += 1
+            return _call(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__call__", spy, raising=False)
+    return seen
+
+
+def _called(model: torch.nn.Module, seen: collections.Counter) -> set:
+    return {name for name, module in model.named_modules() if seen[id(module)]}
+
+
+@pytest.mark.parametrize("which", sorted(MODELS))
+def test_stock_linear_and_dropout_layers_skip_the_module_call(which: str, calls: Dict[str, int],
+                                                              layer_calls: collections.Counter) -> None:
+    """Every layer :data:`_DIRECT` names is called as a module by diffusers and not by the fused path, which computes
+    diffusers' bits; the layers the patterns leave to diffusers (embedders, feed-forwards) are still called."""
+    model, inputs = MODELS[which]()
+    ref = vanilla(model, inputs)
+    before = _called(model, layer_calls)
+    direct = {name for name in before if _DIRECT.search(name)}
+    assert len(direct) == {"flux1": 24, "flux2": 14}[which], sorted(direct)
+    layer_calls.clear()
+    with exact():
+        out = run(model, inputs)
+    after = _called(model, layer_calls)
+    assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
+    assert after == before - direct and after  # the embedders' and feed-forwards' layers
+
+
+def test_hooked_wrapped_or_subclassed_linear_is_called(calls: Dict[str, int], layer_calls: collections.Counter,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward hook, a ``forward`` on the instance, ``nn.Module.compile()`` and a subclass each make that layer a
+    module call (and only that one); a Dropout in training mode is called (it draws random numbers)."""
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    block = model.transformer_blocks[0]
+    entered = []
+    hook = block.attn.to_q.register_forward_hook(lambda m, a, o: entered.append("hook"))
+
+    def instance_forward(x: torch.Tensor, _layer: Any = block.attn.to_k) -> torch.Tensor:
+        entered.append("instance forward")
+        return torch.nn.Linear.forward(_layer, x)
+
+    monkeypatch.setattr(block.attn.to_k, "forward", instance_forward, raising=False)
+    compiled = model.single_transformer_blocks[0].proj_out
+
+    def compiled_call(*args: Any, **kwargs: Any) -> Any:  # stands in for torch.compile(self._call_impl)
+        entered.append("compiled")
+        return compiled._call_impl(*args, **kwargs)
+
+    monkeypatch.setattr(compiled, "_compiled_call_impl", compiled_call, raising=False)
+
+    class Traced(torch.nn.Linear):
+        pass
+
+    block.norm1.linear.__class__ = Traced
+    layer_calls.clear()
+    out = run_hooked(model, inputs, [hook], exact())
+    assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
+    assert sorted(entered) == ["compiled", "hook", "instance forward"]
+    assert {n for n in _called(model, layer_calls) if _DIRECT.search(n)} == {
+        "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.proj_out",
+        "transformer_blocks.0.norm1.linear"}
+
+
+def test_dropout_in_training_mode_is_called(calls: Dict[str, int]) -> None:
+    model, inputs = tiny_flux1()
+    model.transformer_blocks[0].attn.to_out[1].p = 0.5
+    evaluated = vanilla(model, inputs)
+    model.train()
+    try:
+        torch.manual_seed(0)
+        ref = vanilla(model, inputs)
+        torch.manual_seed(0)
+        with exact():
+            out = run(model, inputs)
+    finally:
+        model.eval()
+    assert torch.equal(out, ref) and not torch.equal(out, evaluated) and calls["qk_norm_rope"] == 3
+
+
+def test_replaced_linear_or_projection_function_gets_diffusers_code(calls: Dict[str, int],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the direct calls skip past is assumed per call: a replaced ``F.linear`` is called for every layer
+    (the adaLN, attention and block patterns step aside); a replaced ``_get_projections`` of the FLUX module is
+    called by diffusers' processors (qk_norm_rope steps aside there)."""
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    real, seen = torch.nn.functional.linear, []
+
+    def linear(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.functional, "linear", linear)
+        vanilla(model, inputs)
+        diffusers_count = len(seen)
+        seen.clear()
+        with exact():
+            out = run(model, inputs)
+    assert torch.equal(out, ref) and len(seen) == diffusers_count > 0
+    assert calls["qk_norm_rope"] == 0 and calls["modulate"] == 0
+
+    projections, entered = transformer_flux._get_projections, []
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        entered.append(1)
+        return projections(*args, **kwargs)
+
+    monkeypatch.setattr(transformer_flux, "_get_projections", traced)
+    calls.clear()
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and len(entered) == 3 and calls["qk_norm_rope"] == 0
+
+
+def test_fused_qkv_projections_take_diffusers_function(calls: Dict[str, int]) -> None:
+    """After diffusers' ``fuse_qkv_projections()`` the processors read ``to_qkv`` (diffusers' own function); the
+    stretch after it is still fused."""
+    model, inputs = tiny_flux1()
+    model.fuse_qkv_projections()
+    ref = vanilla(model, inputs)
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
+
+
+def test_qk_norm_rope_verifies_the_projection_functions() -> None:
+    assert set(_patch("qk_norm_rope").verifies) == {f"{m.__name__}:{f}" for m in (transformer_flux, transformer_flux2)
+                                                    for f in ("_get_qkv_projections", "_get_projections")}
 
 
 # ---- rope_tables ---------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ What goes wrong upstream
 
 What the patch changes
     The three ``forward`` methods run the embedding Linear as before (``self.linear(self.silu(emb))``,
-    so LoRA layers and hooks on it keep working) and then ``torchpatches.ops.modulate.layer_norm_modulate``:
+    so LoRA layers and hooks on it keep working; a stock ``nn.Linear`` is called as its ``forward`` would,
+    ``F.linear``, without the module call path) and then ``torchpatches.ops.modulate.layer_norm_modulate``:
     one pass that reads ``x`` once and writes the modulated output once. The same kernel is used for the
     LayerNorm + modulate that FLUX.1's double block (``norm2``) and FLUX.2's blocks write inline, by the
     ``gate_residual`` patch while this one is applied. Every call the kernel does not cover goes to
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from .._declare import Patch
-from ._fused_common import FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, plain_layer_norm
+from ._fused_common import FALLBACK, FUSED_REQUIRES, LAYER_NORM, LINEAR, fusable, fused_target, linear, plain_layer_norm
 from ._modulate_calls import modulated
 
 __all__ = ["PATCH"]
@@ -58,7 +59,7 @@ def _zero(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None
         return FALLBACK
     if self.emb is not None:
         emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    emb = self.linear(self.silu(emb))
+    emb = linear(self.linear, self.silu(emb))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
     x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
     return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
@@ -67,7 +68,7 @@ def _zero(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None
 def _zero_single(self, x, emb=None):
     if not _covered(self, x, emb):
         return FALLBACK
-    emb = self.linear(self.silu(emb))
+    emb = linear(self.linear, self.silu(emb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
     x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
     return x, gate_msa
@@ -76,7 +77,7 @@ def _zero_single(self, x, emb=None):
 def _continuous(self, x, conditioning_embedding):
     if not _covered(self, x, conditioning_embedding):
         return FALLBACK
-    emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+    emb = linear(self.linear, self.silu(conditioning_embedding).to(x.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
     return modulated(self.norm, x, scale, shift, fuse=True)
 
@@ -87,7 +88,7 @@ ADALN = (("AdaLayerNormZero", _zero, "099c201ecf64710b"), ("AdaLayerNormZeroSing
 
 PATCH = Patch(
     name="adaln", summary="diffusers adaLN (LayerNorm + modulate) as one kernel in eager mode",
-    targets=tuple(fused_target("adaln", f"{_NORMALIZATION}:{name}.forward", body, fingerprint, LAYER_NORM)
+    targets=tuple(fused_target("adaln", f"{_NORMALIZATION}:{name}.forward", body, fingerprint, LAYER_NORM + LINEAR)
                   for name, body, fingerprint in ADALN),
     requires=FUSED_REQUIRES,
 )

@@ -25,7 +25,8 @@ What the patch changes
     - FLUX.1 single block: the input concat is a view when the two inputs are adjacent slices of one
       tensor (every single block after the first), and ``gelu(proj_mlp(x))`` is written straight into the
       buffer ``proj_out`` reads (torch's own GELU kernel with ``out=``, so the values are diffusers'), so
-      only the attention output is copied into it;
+      only the attention output is copied into it; ``proj_mlp`` and ``proj_out``, where stock ``nn.Linear``
+      layers, are called as their ``forward`` would (``F.linear``) without the module call path;
     - the attention call: diffusers' attention ``forward`` (``FluxAttention``, ``Flux2Attention``,
       ``Flux2ParallelSelfAttention``) reads its processor's signature with ``inspect.signature`` on every
       call (about 20-40 us of host time, 57 calls per FLUX.1-dev step) to filter keyword arguments, then
@@ -57,16 +58,16 @@ import torch
 
 from .._declare import Patch, Target
 from .._lazy import lazy_module
-from ._fused_common import (CAT, FALLBACK, FLOAT_DTYPES, FUSED_REQUIRES, GELU, LAYER_NORM, fusable, fused_target,
-                            pattern_on, stock)
+from ._fused_common import (CAT, FALLBACK, FLOAT_DTYPES, FUSED_REQUIRES, GELU, LAYER_NORM, LINEAR, fusable,
+                            fused_target, linear, pattern_on, stock)
 from ._modulate_calls import modulated, residual, residual_modulated
 
 __all__ = ["PATCH", "joined"]
 
 _FLUX = "diffusers.models.transformers.transformer_flux"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
-#: What the replaced glue reaches through modules (norm2 / norm2_context, the single block's GELU and concat).
-_ASSUMES = LAYER_NORM + CAT
+#: What the replaced glue reaches through modules (norm2 / norm2_context, the single block's concat and projections).
+_ASSUMES = LAYER_NORM + CAT + LINEAR
 
 
 def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,7 @@ def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_
     hidden_states = joined(encoder_hidden_states, hidden_states)
     residual_states = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
-    mlp = self.proj_mlp(norm_hidden_states)
+    mlp = linear(self.proj_mlp, norm_hidden_states)
     # [attention output | gelu(mlp)]: the GELU writes its half of proj_out's input directly.
     width = self.attn.inner_dim
     buf = mlp.new_empty((*mlp.shape[:-1], width + mlp.shape[-1]))
@@ -201,7 +202,7 @@ def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_
         slices.prechecked(attn_output, buf[..., :width], gelu=False)
     else:  # a processor returned another width or dtype: the concat diffusers would do
         buf = torch.cat([attn_output, buf[..., width:]], dim=2)
-    hidden_states = residual(residual_states, gate, self.proj_out(buf), clip=True)
+    hidden_states = residual(residual_states, gate, linear(self.proj_out, buf), clip=True)
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 

@@ -12,7 +12,8 @@ What goes wrong upstream
 What the patch changes
     ``__call__`` runs the projections, the attention (``dispatch_attention_fn`` with the processor's
     backend and the joint mask, unchanged) and the output projections exactly as diffusers does
-    (module calls: LoRA layers and hooks on them keep working), and replaces the stretch in between by
+    (module calls: LoRA layers and hooks on them keep working; a stock ``nn.Linear`` or eval-mode ``nn.Dropout``
+    is called as its ``forward`` would, without the module call path, ``_fused_common.linear``), and replaces the stretch in between by
     ``torchpatches.ops.qk_norm_rope.qk_norm_rope(rounding="each")``: one launch that
     normalizes q and k per head as diffusers' ``RMSNorm`` rounds, rotates them and writes q, k and v
     straight into the joint ``[B, S_txt + S_img, H, D]`` tensors. The complex freqs become the op's
@@ -47,7 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._declare import Patch, Target
-from ._fused_common import CAT, FALLBACK, fusable, fused, remembered, stock
+from ._fused_common import CAT, DROPOUT, FALLBACK, LINEAR, dropout, fusable, fused, linear, remembered, stock
 from ._qwenimage_tables import joint_mask, rope_tables
 
 __all__ = ["PATCH"]
@@ -55,7 +56,7 @@ __all__ = ["PATCH"]
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
 _NORMALIZATION = "diffusers.models.normalization"
 #: What the fused stretch skips besides the processor's own globals (checked per call by ``fused``).
-_ASSUMES = (f"{_NORMALIZATION}:RMSNorm.forward",) + CAT
+_ASSUMES = (f"{_NORMALIZATION}:RMSNorm.forward",) + CAT + LINEAR + DROPOUT
 
 
 def _rms_norm_fits(norm: Any, x: torch.Tensor) -> bool:
@@ -165,8 +166,8 @@ def _processor(self, attn, hidden_states, encoder_hidden_states=None, encoder_hi
         attention_mask = joint_mask(encoder_hidden_states_mask, hidden_states)
     seq_txt = encoder_hidden_states.shape[1]
     head_dim = attn.inner_dim // attn.heads
-    img = [p(hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
-    txt = [p(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+    img = [linear(p, hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
+    txt = [linear(p, encoder_hidden_states).unflatten(-1, (-1, head_dim))
            for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
     qkv = _fused_qkv(attn, img, txt, image_rotary_emb)
     if qkv is None:
@@ -179,10 +180,11 @@ def _processor(self, attn, hidden_states, encoder_hidden_states=None, encoder_hi
     joint_hidden_states = joint_hidden_states.flatten(2, 3).to(joint_query.dtype)
     txt_attn_output = joint_hidden_states[:, :seq_txt, :]
     img_attn_output = joint_hidden_states[:, seq_txt:, :]
-    img_attn_output = attn.to_out[0](img_attn_output.contiguous())
-    if len(attn.to_out) > 1:
-        img_attn_output = attn.to_out[1](img_attn_output)  # dropout
-    txt_attn_output = attn.to_add_out(txt_attn_output.contiguous())
+    to_out = attn.to_out
+    img_attn_output = linear(to_out[0], img_attn_output.contiguous())
+    if len(to_out) > 1:
+        img_attn_output = dropout(to_out[1], img_attn_output)
+    txt_attn_output = linear(attn.to_add_out, txt_attn_output.contiguous())
     return img_attn_output, txt_attn_output
 
 

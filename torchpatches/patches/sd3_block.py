@@ -21,8 +21,8 @@ What the patch changes
     - ``h + gate_mlp * ff`` (both streams) by ``ops.modulate.gate_residual``;
     - the last, ``context_pre_only`` block: no context tail (diffusers returns None for it);
     - SD3.5-medium's dual-attention blocks (MMDiT-X): ``SD35AdaLayerNormZeroX`` (one LayerNorm, two
-      modulations) as two ``layer_norm_modulate`` launches while ``adaln`` is applied (its Linear and SiLU
-      still module calls), the first gate + residual alone, ``attn2`` as a module call, then the second
+      modulations) as two ``layer_norm_modulate`` launches while ``adaln`` is applied (its SiLU a module
+      call, its Linear too unless a stock ``nn.Linear``: ``_fused_common.linear``), the first gate + residual alone, ``attn2`` as a module call, then the second
       gate + residual fused with norm2 + modulate.
 
     diffusers' forward runs for: ``torch.compile``, ``torch.jit.trace``, feed-forward chunking
@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from .._declare import Patch
-from ._fused_common import (FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, pattern_on,
+from ._fused_common import (FALLBACK, FUSED_REQUIRES, LAYER_NORM, LINEAR, fusable, fused_target, linear, pattern_on,
                             plain_layer_norm, stock)
 from ._modulate_calls import modulated, residual, residual_modulated
 
@@ -75,7 +75,7 @@ def _norm1_dual(self: Any, hidden_states: torch.Tensor, temb: torch.Tensor) -> t
     if not (pattern_on("adaln") and stock(norm1, sys.modules[_NORMALIZATION].SD35AdaLayerNormZeroX)
             and plain_layer_norm(norm1.norm, hidden_states.shape[-1])):
         return norm1(hidden_states, emb=temb)
-    emb = norm1.linear(norm1.silu(temb))
+    emb = linear(norm1.linear, norm1.silu(temb))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, shift_msa2, scale_msa2, gate_msa2 = emb.chunk(
         9, dim=1
     )
@@ -125,6 +125,6 @@ def _joint_block(self, hidden_states, encoder_hidden_states, temb, joint_attenti
 PATCH = Patch(
     name="sd3_block", summary="SD3 blocks: gate + residual (+ next LayerNorm/modulate) in one kernel (eager)",
     targets=(fused_target("sd3_block", f"{_ATTENTION}:JointTransformerBlock.forward", _joint_block, "e64d8fc0e57ee1fa",
-                          LAYER_NORM + (_NORM_X,)),),  # the fingerprints: diffusers 0.42.1
+                          LAYER_NORM + LINEAR + (_NORM_X,)),),  # the fingerprints: diffusers 0.42.1
     verifies={_NORM_X: frozenset({"0d6e640065ac6bf5"})},  # rewritten by _norm1_dual
     requires=FUSED_REQUIRES)

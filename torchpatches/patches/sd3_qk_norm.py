@@ -11,7 +11,8 @@ What goes wrong upstream
 
 What the patch changes
     ``JointAttnProcessor2_0.__call__`` runs the projections (module calls: LoRA layers and hooks on them keep
-    working), then ``ops.qk_norm_rope(..., cos=None, text_first=False, rounding="each")``: one launch that
+    working; a stock ``nn.Linear`` or eval-mode ``nn.Dropout`` is called as its ``forward`` would, without the
+    module call path, ``_fused_common.linear``), then ``ops.qk_norm_rope(..., cos=None, text_first=False, rounding="each")``: one launch that
     normalizes q and k per head as diffusers' ``RMSNorm`` does (two roundings) and writes q, k and v straight
     into contiguous ``[B, S_img + S_txt, H, D]`` tensors, image rows first. The attention gets their
     ``[B, H, S, D]`` views, so its output is already token-major and the ``reshape`` after it is a view.
@@ -42,14 +43,14 @@ import torch
 import torch.nn.functional as F
 
 from .._declare import Patch
-from ._fused_common import CAT, FALLBACK, FUSED_REQUIRES, fusable, fused_target, stock
+from ._fused_common import CAT, DROPOUT, FALLBACK, FUSED_REQUIRES, LINEAR, dropout, fusable, fused_target, linear, stock
 
 __all__ = ["PATCH"]
 
 _PROCESSOR = "diffusers.models.attention_processor"
 _NORMALIZATION = "diffusers.models.normalization"
 #: What the fused stretch skips besides the processor's own globals: diffusers' RMSNorm and the concat.
-_ASSUMES = (f"{_NORMALIZATION}:RMSNorm.forward",) + CAT
+_ASSUMES = (f"{_NORMALIZATION}:RMSNorm.forward",) + CAT + LINEAR + DROPOUT
 
 
 def _rms_norm_fits(norm: Any, cls: type, x: torch.Tensor) -> bool:
@@ -140,15 +141,15 @@ def _joint_attn(self, attn, hidden_states, encoder_hidden_states=None, attention
         return FALLBACK
     # diffusers 0.42.1 JointAttnProcessor2_0.__call__ with the norm/concat stretch fused.
     batch_size, image_rows = hidden_states.shape[0], hidden_states.shape[1]
-    query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
+    query, key, value = (linear(p, hidden_states) for p in (attn.to_q, attn.to_k, attn.to_v))
     head_dim = key.shape[-1] // attn.heads
     split = lambda t: _heads(t, batch_size, attn.heads, head_dim)  # noqa: E731
     query, key, value = split(query), split(key), split(value)
     eq = ek = ev = None
     if encoder_hidden_states is not None:
-        eq = split(attn.add_q_proj(encoder_hidden_states))
-        ek = split(attn.add_k_proj(encoder_hidden_states))
-        ev = split(attn.add_v_proj(encoder_hidden_states))
+        eq = split(linear(attn.add_q_proj, encoder_hidden_states))
+        ek = split(linear(attn.add_k_proj, encoder_hidden_states))
+        ev = split(linear(attn.add_v_proj, encoder_hidden_states))
     qkv = _fused_qkv(attn, query, key, value, eq, ek, ev)
     if qkv is None:
         query, key, value = _diffusers_qkv(attn, query, key, value, eq, ek, ev)
@@ -160,8 +161,9 @@ def _joint_attn(self, attn, hidden_states, encoder_hidden_states=None, attention
     if encoder_hidden_states is not None:
         hidden_states, encoder_hidden_states = hidden_states[:, :image_rows], hidden_states[:, image_rows:]
         if not attn.context_pre_only:
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
-    hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+            encoder_hidden_states = linear(attn.to_add_out, encoder_hidden_states)
+    to_out = attn.to_out
+    hidden_states = dropout(to_out[1], linear(to_out[0], hidden_states))
     if encoder_hidden_states is not None:
         return hidden_states, encoder_hidden_states
     return hidden_states

@@ -10,7 +10,8 @@ What goes wrong upstream
 
 What the patch changes
     ``WanAttnProcessor.__call__`` runs the projections, the attention and ``to_out`` exactly as diffusers
-    does (module calls, so LoRA layers and hooks on them keep working) and replaces the stretch in between
+    does (module calls, so LoRA layers and hooks on them keep working; ``to_out``'s stock ``nn.Linear`` and
+    eval-mode ``nn.Dropout`` are called as their ``forward`` would, ``_fused_common.linear``) and replaces the stretch in between
     by ``torchpatches.ops.rms_norm_rope.rms_norm_rope``: one launch that normalizes q and k over their width
     and (self-attention) rotates them; the cross-attention's q (image tokens) and k (text tokens) are
     normalized in one launch too. Everything else runs diffusers' own ``__call__``: the I2V image context
@@ -41,8 +42,8 @@ from typing import Any, Optional
 import torch
 
 from .._declare import Patch
-from ._fused_common import (FALLBACK, FUSED_REQUIRES, RMS_NORM, fusable, fused_target, plain_rms_norm,
-                            stock)
+from ._fused_common import (DROPOUT, FALLBACK, FUSED_REQUIRES, LINEAR, RMS_NORM, dropout, fusable, fused_target, linear,
+                            plain_rms_norm, stock)
 
 __all__ = ["PATCH"]
 
@@ -131,14 +132,15 @@ def _processor(self, attn, hidden_states, encoder_hidden_states=None, attention_
     )
     hidden_states = hidden_states.flatten(2, 3)
     hidden_states = hidden_states.type_as(query)
-    hidden_states = attn.to_out[0](hidden_states)
-    hidden_states = attn.to_out[1](hidden_states)
+    to_out = attn.to_out
+    hidden_states = linear(to_out[0], hidden_states)
+    hidden_states = dropout(to_out[1], hidden_states)
     return hidden_states
 
 
 PATCH = Patch(
     name="wan_qk_norm_rope", summary="Wan attention: q/k RMSNorm across heads + RoPE in one kernel (eager)",
     targets=(fused_target("wan_qk_norm_rope", f"{_WAN}:WanAttnProcessor.__call__", _processor, "6bfcee2af4a77d09",
-                          RMS_NORM),),
+                          RMS_NORM + LINEAR + DROPOUT),),
     requires=FUSED_REQUIRES,  # the fingerprint: diffusers 0.42.1
 )
