@@ -7,6 +7,7 @@
 #                   FLUX.2 (2 + 12 blocks), all / module-calls alternated three times (host-flux1.txt, host-flux2.txt)
 #   dit             benchmarks/dit.py on FLUX.1-dev and FLUX.2: eager vanilla / all / module-calls and regional
 #                   compile, 3 rounds (dit-*.json, log.txt, summary.txt; benchmarks/gpu_session_dit.sh)
+#   lora            benchmarks/flux_lora.py, its four cases (issue 17 goal 3; peft is on the device): lora.json, lora.txt
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -15,6 +16,11 @@ nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader; nproc
 if [ "${PART:-host}" = dit ]; then
     DIT_BUDGET=${DIT_BUDGET:-570} DIT_ARGS="${DIT_ARGS:---variants eager,module-calls,regional --rounds 3}" \
         bash benchmarks/gpu_session_dit.sh flux1 flux2 | tail -24
+    exit 0
+fi
+if [ "${PART:-host}" = lora ]; then
+    timeout ${LORA_S:-560} python3 benchmarks/flux_lora.py --json "$OUT/lora.json" > "$OUT/lora.txt" 2>&1
+    echo "flux_lora exit $?"; grep -vE "Warning|warn" "$OUT/lora.txt" | tail -12
     exit 0
 fi
 TORCHPATCHES_TEST_DEVICE=cuda timeout ${TEST_S:-200} python3 -m pytest -q -p no:cacheprovider -m "not slow" \
