@@ -13,7 +13,8 @@
 #   qwen-graphed  Qwen-Image 1024x1024, Ulysses, also through cuda_graphs.graphed, with and without
 #               qwenimage_text_seq_len (without it the capture fails and the graphed rows run eagerly)
 #   rings       FLUX.1-dev, ring / ring_anything, with and without cp_ring_attention
-#   qwen-compile  one GPU: benchmarks/qwen_compile_probe.py, then the CPU-only-green compile test of tiny QwenImage
+#   qwen-compile  one GPU: benchmarks/compile_repeat_probe.py on tiny QwenImage's regional compile, then the
+#               CPU-only-green compile test of tiny QwenImage
 # Each part's arguments: FLUX1_ARGS, GLOO_ARGS, FLUX2_ARGS, QWEN_ARGS, QWEN_GRAPHED_ARGS, RINGS_ARGS replace the
 # defaults. Writes under
 # $OUT.
@@ -52,9 +53,9 @@ for part in $PARTS; do
     rings) run_cp rings flux1 240 ${RINGS_ARGS:---modes ring,ring_anything \
         --variants vanilla,all,-cp_ring_attention $COMMON};;
     qwen-compile)
-        timeout 200 python3 benchmarks/qwen_compile_probe.py --device cuda --json "$OUT/qwen-compile-probe.json" \
-            > "$OUT/qwen-compile-probe.txt" 2>&1
-        echo "== qwen_compile_probe: exit $?"; grep -v Warning "$OUT/qwen-compile-probe.txt" | tail -30
+        timeout 200 python3 benchmarks/compile_repeat_probe.py --models qwenimage-fused --regional --ids float32 \
+            --device cuda --json "$OUT/qwen-compile-probe.json" > "$OUT/qwen-compile-probe.txt" 2>&1
+        echo "== compile_repeat_probe: exit $?"; grep -v Warning "$OUT/qwen-compile-probe.txt" | tail -30
         TORCHPATCHES_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
             tests/patches/test_fused_qwenimage.py -k test_compile_same_kernels_and_outputs \
             > "$OUT/pytest-qwen-compile.txt" 2>&1

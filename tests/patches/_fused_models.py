@@ -131,13 +131,16 @@ def repeatable_inductor() -> ContextManager[None]:
     return torch._inductor.config.patch(options)
 
 
-def regional_compile_run(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[torch.Tensor, List[str]]:
+def regional_compile_run(model: torch.nn.Module, inputs: Dict[str, Any],
+                         repeatable: bool = True) -> Tuple[torch.Tensor, List[str]]:
     """One forward of ``model`` with its repeated blocks compiled (diffusers' ``compile_repeated_blocks``, fullgraph;
-    Dynamo reset, ``repeatable_inductor``) and the code Inductor generated; the blocks are eager again after."""
+    Dynamo reset, ``repeatable_inductor``, or only the FX graph cache off where not ``repeatable``: a probe of
+    Inductor's own choices) and the code Inductor generated; the blocks are eager again after."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    with repeatable_inductor(), torch.no_grad():
+    config = repeatable_inductor() if repeatable else torch._inductor.config.patch(fx_graph_cache=False)
+    with config, torch.no_grad():
         model.compile_repeated_blocks(fullgraph=True)
         try:
             return run_and_get_code(lambda: model(**inputs, return_dict=False)[0])
