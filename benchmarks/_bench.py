@@ -63,7 +63,8 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters
     Each step starts on an empty queue (the previous one synchronized), so host ms is the wall time of
     enqueueing ``step()`` alone. ``before_each`` runs before each timed step, outside the timing (a barrier
     that starts every rank's step together). ``host_cpu``, a list, receives this thread's CPU ms for the same
-    stretch (CUDA only): wall well above it means the thread waited (a sync, a busy host), not that it worked."""
+    stretch (``time.thread_time``): wall well above it means the thread waited (a sync, a busy host, a shared VM's
+    other tenants), not that it worked."""
     for _ in range(warmup):
         step()
     times, host = [], []
@@ -71,9 +72,11 @@ def time_steps(step: Callable[[], Any], device: torch.device, warmup: int, iters
         for _ in range(iters):
             if before_each is not None:
                 before_each()
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             step()
             times.append((time.perf_counter() - t) * 1e3)
+            if host_cpu is not None:
+                host_cpu.append((time.thread_time() - cpu) * 1e3)
         return times, times
     torch.cuda.synchronize()
     for _ in range(iters):

@@ -37,7 +37,6 @@ import cProfile  # noqa: E402
 import functools  # noqa: E402
 import pstats  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 from typing import Any, Dict, List, Optional  # noqa: E402
 
 import torch  # noqa: E402
@@ -59,28 +58,12 @@ def group_of(filename: str) -> str:
     return "other Python"
 
 
-def host_cpu_ms(step: Any, device: torch.device, steps: int) -> List[float]:
-    """CPU ms of this thread while it enqueues each step (``time.thread_time``): the host's work without the time
-    the thread was not running (a shared VM's other tenants, the scheduler), which moves wall-clock host times of
-    one tree by 30% from step to step on some device hosts. Each step on an empty queue, as ``time_steps``."""
-    per = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.thread_time()
-        step()
-        per.append((time.thread_time() - t) * 1e3)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return per
-
-
 def profile_steps(step: Any, device: torch.device, steps: int, top: int) -> Dict[str, Any]:
     step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    _, host = _bench.time_steps(step, device, 2, steps)
-    cpu = host_cpu_ms(step, device, steps)
+    cpu: List[float] = []  # this thread's CPU ms of the same steps: steadier than wall time on a shared host
+    _, host = _bench.time_steps(step, device, 2, steps, host_cpu=cpu)
     profiler = cProfile.Profile()
     for _ in range(steps):
         profiler.enable()
