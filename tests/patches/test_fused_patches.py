@@ -536,6 +536,22 @@ def test_hooked_wrapped_or_subclassed_linear_is_called(calls: Dict[str, int], la
         "transformer_blocks.0.norm1.linear"}
 
 
+def test_linear_with_a_plain_tensor_weight_is_called(calls: Dict[str, int], layer_calls: collections.Counter) -> None:
+    """A weight (or bias) deleted and set again as a plain attribute (what some reparametrizing code does) is no longer
+    in ``_parameters``: that layer is a module call, which reads the attribute."""
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    layer = model.single_transformer_blocks[1].proj_mlp
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    del layer.weight, layer.bias
+    layer.weight, layer.bias = weight, bias
+    layer_calls.clear()
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
+    assert {n for n in _called(model, layer_calls) if _DIRECT.search(n)} == {"single_transformer_blocks.1.proj_mlp"}
+
+
 def test_dropout_in_training_mode_is_called(calls: Dict[str, int]) -> None:
     model, inputs = tiny_flux1()
     model.transformer_blocks[0].attn.to_out[1].p = 0.5
