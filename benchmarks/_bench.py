@@ -331,24 +331,28 @@ def attention_forward() -> Iterator[None]:
 
 @contextlib.contextmanager
 def module_calls() -> Iterator[None]:
-    """``all`` with every fused path calling its stock ``nn.Linear`` / ``nn.Dropout`` layers as modules (what they did
-    before issue 17 round 14's ``_fused_common.linear`` / ``dropout``), for an A/B of that change in one process: the
-    names are swapped in each patch module that imported them."""
+    """``all`` with every fused path calling its stock ``nn.Linear`` / ``nn.Dropout`` layers as modules and
+    ``qk_norm_rope`` calling diffusers' ``_get_qkv_projections`` (what they did before issue 17 round 14's
+    ``_fused_common.linear`` / ``dropout``), for a timing A/B of that change in one process: the names are swapped in
+    each patch module that imported them. Each swapped call adds one Python frame (a lambda) to what round 13 ran:
+    count Python calls by comparing trees (``host_profile.py --stub-kernels``), not with this variant."""
     import importlib
 
     import torchpatches.patches as patches
-    from torchpatches.patches import _fused_common
+    from torchpatches.patches import _fused_common, qk_norm_rope
 
     modules = [importlib.import_module(f"{patches.__name__}.{name}") for name in _PATCHES_WITH_DIRECT_CALLS]
-    swaps = [(m, name) for m in modules for name in ("linear", "dropout") if getattr(m, name, None) is getattr(
-        _fused_common, name)]
-    for module, name in swaps:
+    swaps = [(m, name, getattr(m, name)) for m in modules for name in ("linear", "dropout")
+             if getattr(m, name, None) is getattr(_fused_common, name)]
+    for module, name, _ in swaps:
         setattr(module, name, lambda layer, x: layer(x))
+    swaps.append((qk_norm_rope, "_projections", qk_norm_rope._projections))
+    qk_norm_rope._projections = lambda module, attn, h, e: module._get_qkv_projections(attn, h, e)
     try:
         yield
     finally:
-        for module, name in swaps:
-            setattr(module, name, getattr(_fused_common, name))
+        for module, name, original in swaps:
+            setattr(module, name, original)
 
 
 #: The patch modules that call ``_fused_common.linear`` / ``dropout`` (:func:`module_calls`).

@@ -13,8 +13,9 @@
 #   qwen-graphed  Qwen-Image 1024x1024, Ulysses, also through cuda_graphs.graphed, with and without
 #               qwenimage_text_seq_len (without it the capture fails and the graphed rows run eagerly)
 #   rings       FLUX.1-dev, ring / ring_anything, with and without cp_ring_attention
-#   qwen-compile  one GPU: benchmarks/compile_repeat_probe.py on tiny QwenImage's regional compile, then the
-#               CPU-only-green compile test of tiny QwenImage
+#   qwen-compile  one GPU: benchmarks/compile_repeat_probe.py on tiny QwenImage's regional compile (Inductor's own
+#               choices, timed ones included: what the probe looks for; add --deterministic to mirror the test),
+#               then the compile test of tiny QwenImage (deterministic mode on the GPU since round 13)
 # Each part's arguments: FLUX1_ARGS, GLOO_ARGS, FLUX2_ARGS, QWEN_ARGS, QWEN_GRAPHED_ARGS, RINGS_ARGS replace the
 # defaults. Writes under
 # $OUT.

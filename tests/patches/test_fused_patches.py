@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 import pytest
 import torch
@@ -465,17 +465,22 @@ _DIRECT = re.compile(r"^norm_out\.linear$|(transformer_blocks|single_transformer
 
 
 @pytest.fixture
-def layer_calls(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
-    """Which ``nn.Linear`` / ``nn.Dropout`` modules were called as modules, by id (a class-level ``__call__`` spy: the
-    direct path does not pass through it)."""
+def layer_calls() -> Iterator[collections.Counter]:
+    """How often each ``nn.Linear`` / ``nn.Dropout`` ran its ``forward`` (a module call does; the direct path does
+    not), by module id: observed with ``sys.setprofile``, which changes nothing a patch checks."""
     seen: collections.Counter = collections.Counter()
-    for cls in (torch.nn.Linear, torch.nn.Dropout):
-        def spy(self: Any, *args: Any, _call: Callable[..., Any] = torch.nn.Module.__call__, **kwargs: Any) -> Any:
-            seen[id(self)] += 1
-            return _call(self, *args, **kwargs)
+    forwards = {torch.nn.Linear.forward.__code__, torch.nn.Dropout.forward.__code__}
 
-        monkeypatch.setattr(cls, "__call__", spy, raising=False)
-    return seen
+    def observe(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in forwards:
+            seen[id(frame.f_locals["self"])] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(observe)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
 
 
 def _called(model: torch.nn.Module, seen: collections.Counter) -> set:
@@ -502,13 +507,14 @@ def test_stock_linear_and_dropout_layers_skip_the_module_call(which: str, calls:
 
 def test_hooked_wrapped_or_subclassed_linear_is_called(calls: Dict[str, int], layer_calls: collections.Counter,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forward hook, a ``forward`` on the instance, ``nn.Module.compile()`` and a subclass each make that layer a
-    module call (and only that one); a Dropout in training mode is called (it draws random numbers)."""
+    """A forward hook, a forward pre-hook (on a Dropout), a ``forward`` on the instance, ``nn.Module.compile()`` and a
+    subclass each make that layer a module call (and only that one)."""
     model, inputs = tiny_flux1()
     ref = vanilla(model, inputs)
     block = model.transformer_blocks[0]
     entered = []
-    hook = block.attn.to_q.register_forward_hook(lambda m, a, o: entered.append("hook"))
+    hooks = [block.attn.to_q.register_forward_hook(lambda m, a, o: entered.append("hook")),
+             block.attn.to_out[1].register_forward_pre_hook(lambda m, a: entered.append("pre-hook"))]
 
     def instance_forward(x: torch.Tensor, _layer: Any = block.attn.to_k) -> torch.Tensor:
         entered.append("instance forward")
@@ -528,28 +534,67 @@ def test_hooked_wrapped_or_subclassed_linear_is_called(calls: Dict[str, int], la
 
     block.norm1.linear.__class__ = Traced
     layer_calls.clear()
-    out = run_hooked(model, inputs, [hook], exact())
+    out = run_hooked(model, inputs, hooks, exact())
     assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
-    assert sorted(entered) == ["compiled", "hook", "instance forward"]
+    assert sorted(entered) == ["compiled", "hook", "instance forward", "pre-hook"]
     assert {n for n in _called(model, layer_calls) if _DIRECT.search(n)} == {
-        "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.proj_out",
-        "transformer_blocks.0.norm1.linear"}
+        "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_out.1",
+        "single_transformer_blocks.0.proj_out", "transformer_blocks.0.norm1.linear"}
 
 
 def test_linear_with_a_plain_tensor_weight_is_called(calls: Dict[str, int], layer_calls: collections.Counter) -> None:
-    """A weight (or bias) deleted and set again as a plain attribute (what some reparametrizing code does) is no longer
-    in ``_parameters``: that layer is a module call, which reads the attribute."""
+    """A weight deleted and set again as a plain attribute (no longer in ``_parameters``) and a bias shadowed by an
+    instance attribute (what ``forward``'s ``self.bias`` reads) each make that layer a module call."""
     model, inputs = tiny_flux1()
+    moved = model.single_transformer_blocks[1].proj_mlp
+    weight = moved.weight.detach().clone()
+    del moved.weight
+    moved.weight = weight
+    shadowed = model.single_transformer_blocks[0].proj_mlp
+    object.__setattr__(shadowed, "bias", shadowed.bias.detach() + 1)  # forward reads this one
     ref = vanilla(model, inputs)
-    layer = model.single_transformer_blocks[1].proj_mlp
-    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    del layer.weight, layer.bias
-    layer.weight, layer.bias = weight, bias
     layer_calls.clear()
     with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
-    assert {n for n in _called(model, layer_calls) if _DIRECT.search(n)} == {"single_transformer_blocks.1.proj_mlp"}
+    assert {n for n in _called(model, layer_calls) if _DIRECT.search(n)} == {
+        "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.1.proj_mlp"}
+
+
+#: SD3 / Wan / QwenImage: the first block's attention module, whose output layers the direct path serves.
+_OTHER = {"sd3": "transformer_blocks.0.attn", "wan": "blocks.0.attn1", "qwenimage": "transformer_blocks.0.attn"}
+
+
+@pytest.mark.parametrize("which", sorted(_OTHER))
+def test_other_models_direct_calls_hooks_and_training_dropout(which: str, layer_calls: collections.Counter) -> None:
+    """SD3, Wan, QwenImage: on the fused path ``to_out[0]`` / ``to_out[1]`` are not module calls (diffusers' output);
+    hooked (a forward hook, a forward pre-hook) they are, and each hook fires once; a Dropout in training mode is
+    called (the same random draws as diffusers')."""
+    model, inputs = tiny(which)
+    ref = vanilla(model, inputs)
+    attn = model.get_submodule(_OTHER[which])
+    outs = {f"{_OTHER[which]}.to_out.0", f"{_OTHER[which]}.to_out.1"}
+    layer_calls.clear()
+    with exact():
+        out = run(model, inputs)
+    assert same(out, ref, which) and not outs & _called(model, layer_calls)
+    entered: list = []
+    hooks = [attn.to_out[0].register_forward_hook(lambda m, a, o: entered.append("hook")),
+             attn.to_out[1].register_forward_pre_hook(lambda m, a: entered.append("pre-hook"))]
+    layer_calls.clear()
+    out = run_hooked(model, inputs, hooks, exact())
+    assert same(out, ref, which) and sorted(entered) == ["hook", "pre-hook"] and outs <= _called(model, layer_calls)
+    attn.to_out[1].p = 0.5
+    model.train()
+    try:
+        torch.manual_seed(0)
+        trained = vanilla(model, inputs)
+        torch.manual_seed(0)
+        with exact():
+            out = run(model, inputs)
+    finally:
+        model.eval()
+    assert same(out, trained, which) and not torch.equal(out, ref)
 
 
 def test_dropout_in_training_mode_is_called(calls: Dict[str, int]) -> None:
@@ -568,56 +613,111 @@ def test_dropout_in_training_mode_is_called(calls: Dict[str, int]) -> None:
     assert torch.equal(out, ref) and not torch.equal(out, evaluated) and calls["qk_norm_rope"] == 3
 
 
-def test_replaced_linear_or_projection_function_gets_diffusers_code(calls: Dict[str, int],
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the direct calls skip past is assumed per call: a replaced ``F.linear`` is called for every layer
-    (the adaLN, attention and block patterns step aside); a replaced ``_get_projections`` of the FLUX module is
-    called by diffusers' processors (qk_norm_rope steps aside there)."""
-    model, inputs = tiny_flux1()
-    ref = vanilla(model, inputs)
-    real, seen = torch.nn.functional.linear, []
-
-    def linear(*args: Any, **kwargs: Any) -> torch.Tensor:
+def _counting(real: Callable[..., Any], seen: list) -> Callable[..., Any]:
+    def replacement(*args: Any, **kwargs: Any) -> Any:
         seen.append(1)
         return real(*args, **kwargs)
 
-    with monkeypatch.context() as m:
-        m.setattr(torch.nn.functional, "linear", linear)
-        vanilla(model, inputs)
-        diffusers_count = len(seen)
-        seen.clear()
-        with exact():
-            out = run(model, inputs)
-    assert torch.equal(out, ref) and len(seen) == diffusers_count > 0
-    assert calls["qk_norm_rope"] == 0 and calls["modulate"] == 0
+    return replacement
 
-    projections, entered = transformer_flux._get_projections, []
 
-    def traced(*args: Any, **kwargs: Any) -> Any:
-        entered.append(1)
-        return projections(*args, **kwargs)
+#: What the direct calls stand in for: (owner, attribute) of each.
+_SKIPPED_PAST = {"F.linear": (torch.nn.functional, "linear"), "Linear.forward": (torch.nn.Linear, "forward"),
+                 "F.dropout": (torch.nn.functional, "dropout"), "Dropout.forward": (torch.nn.Dropout, "forward"),
+                 "Linear.__call__": (torch.nn.Linear, "__call__")}
 
-    monkeypatch.setattr(transformer_flux, "_get_projections", traced)
-    calls.clear()
+
+@pytest.mark.parametrize("what", sorted(_SKIPPED_PAST))
+def test_replaced_call_path_is_called_as_by_diffusers(what: str, calls: Dict[str, int],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replaced ``F.linear`` / ``F.dropout`` / ``Linear.forward`` / ``Dropout.forward`` (the patterns assume them:
+    diffusers' code runs) or ``Linear.__call__`` (the direct calls check it) runs as often as in diffusers' code, with
+    diffusers' result."""
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    owner, name = _SKIPPED_PAST[what]
+    seen: list = []
+    monkeypatch.setattr(owner, name, _counting(getattr(owner, name), seen), raising=False)
+    vanilla(model, inputs)
+    expected, seen[:] = len(seen), []
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and expected > 0 and len(seen) == expected
+
+
+@pytest.mark.parametrize("what", ["Linear.forward", "Linear.__call__", "Linear._call_impl", "Dropout.forward",
+                                  "Dropout.__call__"])
+def test_direct_calls_only_where_the_call_path_is_torchs(what: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``linear`` / ``dropout`` make the module call when the class's call path is not torch's own: replaced on the
+    class (here), or replaced before torchpatches was imported (then ``_torch_own`` keeps a sentinel, and the
+    patterns' assumptions hold the replacement)."""
+    from torchpatches.patches import _fused_common
+
+    cls_name, name = what.split(".")
+    cls = getattr(torch.nn, cls_name)
+    seen: list = []
+    monkeypatch.setattr(cls, name, _counting(getattr(cls, name), seen), raising=False)
+    layer = cls(4, 4) if cls is torch.nn.Linear else cls(0.5).eval()
+    x = torch.randn(2, 4)
+    direct = _fused_common.linear if cls is torch.nn.Linear else _fused_common.dropout
+    assert torch.equal(direct(layer, x), layer(x)) and len(seen) == 2
+    assert _fused_common._torch_own(seen.append, "torch.nn.modules.linear") is not seen.append
+    assert _fused_common._torch_own(torch.nn.Linear.__init__, "torch.nn.modules.linear") is torch.nn.Linear.__init__
+
+
+def test_replaced_projection_function_gets_diffusers_code(calls: Dict[str, int],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replaced ``_get_projections`` of the FLUX module is called by diffusers' processors (qk_norm_rope steps
+    aside there: it assumes the function it stands in for)."""
+    model, inputs = tiny_flux1()
+    ref = vanilla(model, inputs)
+    entered: list = []
+    monkeypatch.setattr(transformer_flux, "_get_projections", _counting(transformer_flux._get_projections, entered))
     with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref) and len(entered) == 3 and calls["qk_norm_rope"] == 0
 
 
 def test_fused_qkv_projections_take_diffusers_function(calls: Dict[str, int]) -> None:
-    """After diffusers' ``fuse_qkv_projections()`` the processors read ``to_qkv`` (diffusers' own function); the
-    stretch after it is still fused."""
+    """After diffusers' ``fuse_qkv_projections()`` the processors read ``to_qkv`` (diffusers' own function): the
+    unfused ``to_q`` weights, zeroed, change nothing; the stretch after the projections is still fused."""
     model, inputs = tiny_flux1()
     model.fuse_qkv_projections()
     ref = vanilla(model, inputs)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("attn.to_q"):
+                module.weight.zero_()
+    assert torch.equal(vanilla(model, inputs), ref)
     with exact():
         out = run(model, inputs)
     assert torch.equal(out, ref) and calls["qk_norm_rope"] == 3
 
 
-def test_qk_norm_rope_verifies_the_projection_functions() -> None:
-    assert set(_patch("qk_norm_rope").verifies) == {f"{m.__name__}:{f}" for m in (transformer_flux, transformer_flux2)
-                                                    for f in ("_get_qkv_projections", "_get_projections")}
+@pytest.mark.skipif(diffusers.__version__ != VERIFIED, reason=f"fingerprints taken on diffusers {VERIFIED}")
+def test_qk_norm_rope_verifies_the_projection_functions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The functions ``_projections`` stands in for are fingerprinted: the installed ones match, and another source
+    of one (here FLUX.2's ``_get_projections``, replaced before the patch applies) skips the whole patch."""
+    verifies = _patch("qk_norm_rope").verifies
+    modules = {m.__name__: m for m in (transformer_flux, transformer_flux2)}
+    assert set(verifies) == {f"{m}:{f}" for m in modules for f in ("_get_qkv_projections", "_get_projections")}
+    for path, fingerprints in verifies.items():
+        module_name, name = path.split(":")
+        assert _gates.fingerprint(getattr(modules[module_name], name)) in fingerprints, path
+
+    def _get_projections(attn: Any, hidden_states: Any, encoder_hidden_states: Any = None) -> Any:
+        return None  # another source
+
+    torchpatches.revert("qk_norm_rope")
+    monkeypatch.setattr(transformer_flux2, "_get_projections", _get_projections)
+    try:
+        torchpatches.apply("qk_norm_rope")
+        status = torchpatches.status()["qk_norm_rope"]
+        assert status.state.value == "skipped" and "_get_projections" in str(status), str(status)
+    finally:
+        monkeypatch.undo()
+        torchpatches.apply("qk_norm_rope")
+    assert torchpatches.status()["qk_norm_rope"].state.value == "applied"
 
 
 # ---- rope_tables ---------------------------------------------------------------------------------

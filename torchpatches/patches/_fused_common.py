@@ -231,27 +231,48 @@ def stock(module: Any, cls: type) -> bool:
     )
 
 
-_MISSING = object()
+def _torch_own(fn: Any, module_name: str) -> Any:
+    """``fn`` where it is torch's own (defined in ``module_name``), else a sentinel no function is: a library that
+    replaced it before torchpatches was imported makes :func:`linear` / :func:`dropout` call modules."""
+    return fn if getattr(fn, "__module__", None) == module_name else _torch_own
+
+
+#: The call path a stock layer's call runs (``Module.__call__`` -> ``_call_impl`` -> its class's ``forward``), as
+#: torch defines it; :func:`linear` and :func:`dropout` stand in for it only while it is that.
+_MODULE_CALL = _torch_own(torch.nn.Module.__call__, "torch.nn.modules.module")
+_CALL_IMPL = _torch_own(torch.nn.Module._call_impl, "torch.nn.modules.module")
+_LINEAR_FORWARD = _torch_own(torch.nn.Linear.forward, "torch.nn.modules.linear")
+_DROPOUT_FORWARD = _torch_own(torch.nn.Dropout.forward, "torch.nn.modules.dropout")
 
 
 def linear(module: Any, x: torch.Tensor) -> Any:
-    """``module(x)``; for a stock ``nn.Linear`` (:func:`stock`) what its ``forward`` computes,
-    ``F.linear(x, weight, bias)``, without ``nn.Module``'s call path and two ``__getattr__`` (about 5 us of host
-    time a call on the CPU; a FLUX.1-dev step makes 466 linear calls). A LoRA layer, a hooked or compiled
-    ``Linear``, a subclass: the module call. The caller's target assumes :data:`LINEAR` (checked per call)."""
-    if stock(module, torch.nn.Linear):
-        params = module._parameters  # exactly nn.Linear: weight and bias live there (bias=False: None)...
-        weight, bias = params.get("weight"), params.get("bias", _MISSING)
-        if weight is not None and bias is not _MISSING:  # ...unless deleted and set as plain attributes
+    """``module(x)``; for a stock ``nn.Linear`` (:func:`stock`, and torch's own call path and ``forward`` on the
+    class) what its ``forward`` computes, ``F.linear(x, weight, bias)``, without ``nn.Module``'s call path and two
+    ``__getattr__`` (about 5 us of host time a call on the CPU; a FLUX.1-dev step makes 466 linear calls). A LoRA
+    layer, a hooked or compiled ``Linear``, a subclass, a weight or bias that is not in ``_parameters`` (deleted and
+    set again as a plain attribute, or an instance attribute that shadows it, as ``forward``'s ``self.weight`` would
+    read): the module call. The caller's target assumes :data:`LINEAR` (checked per call)."""
+    cls = torch.nn.Linear  # the checks inline: a helper's call would cost what part of the bypass saves
+    if (stock(module, cls) and cls.__call__ is _MODULE_CALL and cls._call_impl is _CALL_IMPL
+            and cls.forward is _LINEAR_FORWARD):
+        d = module.__dict__
+        if "weight" not in d and "bias" not in d:
+            try:
+                params = d["_parameters"]  # exactly nn.Linear: weight and bias live there (bias=False: None)
+                weight, bias = params["weight"], params["bias"]
+            except KeyError:
+                return module(x)
             return torch.nn.functional.linear(x, weight, bias)
     return module(x)
 
 
 def dropout(module: Any, x: torch.Tensor) -> Any:
     """``module(x)``; ``x`` itself for a stock ``nn.Dropout`` in eval mode (what ``F.dropout(x, p, False)``
-    returns: the same tensor). In training mode, or for anything else, the module call. The caller's target
-    assumes :data:`DROPOUT`."""
-    if stock(module, torch.nn.Dropout) and module.__dict__.get("training") is False:
+    returns: the same tensor), where the class's call path and ``forward`` are torch's own. In training mode, or for
+    anything else, the module call. The caller's target assumes :data:`DROPOUT`."""
+    cls = torch.nn.Dropout
+    if (stock(module, cls) and module.__dict__.get("training") is False and cls.__call__ is _MODULE_CALL
+            and cls._call_impl is _CALL_IMPL and cls.forward is _DROPOUT_FORWARD):
         return x
     return module(x)
 

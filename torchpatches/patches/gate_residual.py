@@ -66,8 +66,8 @@ __all__ = ["PATCH", "joined"]
 
 _FLUX = "diffusers.models.transformers.transformer_flux"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
-#: What the replaced glue reaches through modules (norm2 / norm2_context, the single block's concat and projections).
-_ASSUMES = LAYER_NORM + CAT + LINEAR
+#: What the replaced glue reaches through modules (norm2 / norm2_context, the single block's concat).
+_ASSUMES = LAYER_NORM + CAT
 
 
 def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -251,7 +251,7 @@ PATCH = Patch(
         _target(f"{_FLUX}:FluxTransformerBlock.forward", _flux_double, "2ddc89c799fd6eca",
                 (f"{_FLUX}:FluxAttention.forward",)),
         _target(f"{_FLUX}:FluxSingleTransformerBlock.forward", _flux_single, "febf6aee7ca882b6",
-                GELU + (f"{_FLUX}:FluxAttention.forward",)),
+                GELU + LINEAR + (f"{_FLUX}:FluxAttention.forward",)),  # proj_mlp, proj_out: linear()
         _target(f"{_FLUX2}:Flux2TransformerBlock.forward", _flux2_double, "47bed5da14990da5",
                 (f"{_FLUX2}:Flux2Attention.forward",)),
         _target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", _flux2_single, "12422e38cc8c135b",
