@@ -8,14 +8,15 @@ torch 2.11, tests/patches/test_inductor_realize.py.
 from __future__ import annotations
 
 import threading
-from typing import Dict, Iterator, List
+from pathlib import Path
+from typing import Iterator, List
 
 import pytest
 import torch
 
 from torchpatches import _cache_key
 
-from _fresh import Result, run_forked
+from _fresh import run_forked
 
 TOKEN_A = "torchpatches:inductor_realize@1d32e5f50cbc847e.0123456789abcdef"
 TOKEN_B = "torchpatches:other@0123456789abcdef.fedcba9876543210"
@@ -131,9 +132,10 @@ _LOWERING_CASE = (
 )
 
 
-@pytest.fixture(scope="module")
-def lowering_reads(tmp_path_factory: pytest.TempPathFactory) -> Dict[object, Result]:
-    """Each value read in a first import of torchpatches and of compile_fx (forks of one child process)."""
+def test_where_inductor_lowers_is_read_like_inductor_reads_it(tmp_path: Path) -> None:
+    """Before Inductor is imported the variable is parsed as compile_fx will parse it; after, its globals. One first
+    import of torchpatches and of compile_fx per value (forks of one child process). One test, not one per value: a
+    module fixture would run the forks once per pytest-xdist worker (about 18 s each)."""
     cases = [(_LOWERING_CASE, {"TORCHPATCHES_DISABLE": "all", "TORCHINDUCTOR_FX_COMPILE_MODE": value})
              for value, _ in LOWERING_MODES]
     # Inductor's modules except compile_fx (which parses the variable when imported): each fork then imports
@@ -142,18 +144,10 @@ def lowering_reads(tmp_path_factory: pytest.TempPathFactory) -> Dict[object, Res
         import sys, torch._dynamo, torch._inductor.graph, torch._inductor.codecache
         assert "torch._inductor.compile_fx" not in sys.modules
     """
-    results = run_forked(cases, tmp_path_factory.mktemp("lowering"), prelude)
-    return {value: result for (value, _), result in zip(LOWERING_MODES, results)}
-
-
-@pytest.mark.parametrize(("value", "elsewhere"), LOWERING_MODES)
-def test_where_inductor_lowers_is_read_like_inductor_reads_it(
-    value: object, elsewhere: bool, lowering_reads: Dict[object, Result]
-) -> None:
-    """Before Inductor is imported the variable is parsed as compile_fx will parse it; after, its globals."""
-    result = lowering_reads[value]
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == [str(elsewhere), str(elsewhere), "True"]
+    results = run_forked(cases, tmp_path, prelude)
+    for (value, elsewhere), result in zip(LOWERING_MODES, results):
+        assert result.returncode == 0, (value, result.stderr[-2000:])
+        assert result.stdout.split() == [str(elsewhere), str(elsewhere), "True"], value
 
 
 def test_lowering_elsewhere_empties_the_component(no_tokens: None, monkeypatch: pytest.MonkeyPatch) -> None:
