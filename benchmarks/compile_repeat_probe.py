@@ -104,7 +104,8 @@ def probe(which: str, ids_dtype: str, device: torch.device, regional: bool) -> D
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="flux2", help="comma-separated harness configs (flux1, flux2, qwenimage-fused...)")
+    p.add_argument("--models", default="flux2",
+                   help="comma-separated harness configs (flux1, flux2, qwenimage-fused...)")
     p.add_argument("--ids", default="float32,int64", help="comma-separated dtypes of the position ids (FLUX)")
     p.add_argument("--regional", action="store_true", help="compile the repeated blocks only")
     p.add_argument("--deterministic", action="store_true", help="Inductor's deterministic mode (torch >= 2.11)")

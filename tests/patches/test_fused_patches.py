@@ -459,9 +459,10 @@ def test_attention_subclass_goes_through_its_forward(calls: Dict[str, int], monk
 #: The layers a fused FLUX path calls as their ``forward`` would, when stock (``_fused_common.linear`` /
 #: ``dropout``): the adaLN embedding linears, the attention projections and output layers, the single blocks'
 #: MLP in and out (FLUX.1) and fused projection (FLUX.2), the output norm's linear.
-_DIRECT = re.compile(r"^norm_out\.linear$|(transformer_blocks|single_transformer_blocks)\.\d+\.(norm1(_context)?\.linear|norm\.linear|"
-                     r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out(\.[01])?|to_add_out|to_qkv_mlp_proj)|"
-                     r"proj_mlp|proj_out)$")
+_DIRECT = re.compile(r"^norm_out\.linear$|(transformer_blocks|single_transformer_blocks)\.\d+\."
+                     r"(norm1(_context)?\.linear|norm\.linear|"
+                     r"attn\.(to_q|to_k|to_v|add_q_proj|add_k_proj|add_v_proj|to_out(\.[01])?|to_add_out|"
+                     r"to_qkv_mlp_proj)|proj_mlp|proj_out)$")
 
 
 @pytest.fixture
@@ -561,6 +562,20 @@ def test_linear_with_a_plain_tensor_weight_is_called(calls: Dict[str, int], laye
         "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.1.proj_mlp"}
 
 
+def _in_training(model: torch.nn.Module, inputs: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(diffusers' output, the fused path's) with the model in training mode (no grad), each after the same seed: a
+    Dropout there draws random numbers, the same ones when both call it. The model is in eval mode again after."""
+    model.train()
+    try:
+        torch.manual_seed(0)
+        diffusers_out = vanilla(model, inputs)
+        torch.manual_seed(0)
+        with exact():
+            return diffusers_out, run(model, inputs)
+    finally:
+        model.eval()
+
+
 #: SD3 / Wan / QwenImage: the first block's attention module, whose output layers the direct path serves.
 _OTHER = {"sd3": "transformer_blocks.0.attn", "wan": "blocks.0.attn1", "qwenimage": "transformer_blocks.0.attn"}
 
@@ -585,15 +600,7 @@ def test_other_models_direct_calls_hooks_and_training_dropout(which: str, layer_
     out = run_hooked(model, inputs, hooks, exact())
     assert same(out, ref, which) and sorted(entered) == ["hook", "pre-hook"] and outs <= _called(model, layer_calls)
     attn.to_out[1].p = 0.5
-    model.train()
-    try:
-        torch.manual_seed(0)
-        trained = vanilla(model, inputs)
-        torch.manual_seed(0)
-        with exact():
-            out = run(model, inputs)
-    finally:
-        model.eval()
+    trained, out = _in_training(model, inputs)
     assert same(out, trained, which) and not torch.equal(out, ref)
 
 
@@ -601,15 +608,7 @@ def test_dropout_in_training_mode_is_called(calls: Dict[str, int]) -> None:
     model, inputs = tiny_flux1()
     model.transformer_blocks[0].attn.to_out[1].p = 0.5
     evaluated = vanilla(model, inputs)
-    model.train()
-    try:
-        torch.manual_seed(0)
-        ref = vanilla(model, inputs)
-        torch.manual_seed(0)
-        with exact():
-            out = run(model, inputs)
-    finally:
-        model.eval()
+    ref, out = _in_training(model, inputs)
     assert torch.equal(out, ref) and not torch.equal(out, evaluated) and calls["qk_norm_rope"] == 3
 
 

@@ -13,7 +13,8 @@ What the patch changes
     ``__call__`` runs the projections, the attention (``dispatch_attention_fn`` with the processor's
     backend and the joint mask, unchanged) and the output projections exactly as diffusers does
     (module calls: LoRA layers and hooks on them keep working; a stock ``nn.Linear`` or eval-mode ``nn.Dropout``
-    is called as its ``forward`` would, without the module call path, ``_fused_common.linear``), and replaces the stretch in between by
+    is called as its ``forward`` would, without the module call path, ``_fused_common.linear``), and replaces the
+    stretch in between by
     ``torchpatches.ops.qk_norm_rope.qk_norm_rope(rounding="each")``: one launch that
     normalizes q and k per head as diffusers' ``RMSNorm`` rounds, rotates them and writes q, k and v
     straight into the joint ``[B, S_txt + S_img, H, D]`` tensors. The complex freqs become the op's

@@ -22,7 +22,8 @@ What the patch changes
     - the last, ``context_pre_only`` block: no context tail (diffusers returns None for it);
     - SD3.5-medium's dual-attention blocks (MMDiT-X): ``SD35AdaLayerNormZeroX`` (one LayerNorm, two
       modulations) as two ``layer_norm_modulate`` launches while ``adaln`` is applied (its SiLU a module
-      call, its Linear too unless a stock ``nn.Linear``: ``_fused_common.linear``), the first gate + residual alone, ``attn2`` as a module call, then the second
+      call, its Linear too unless a stock ``nn.Linear``: ``_fused_common.linear``), the first gate + residual
+      alone, ``attn2`` as a module call, then the second
       gate + residual fused with norm2 + modulate.
 
     diffusers' forward runs for: ``torch.compile``, ``torch.jit.trace``, feed-forward chunking

@@ -12,7 +12,8 @@ What goes wrong upstream
 What the patch changes
     ``JointAttnProcessor2_0.__call__`` runs the projections (module calls: LoRA layers and hooks on them keep
     working; a stock ``nn.Linear`` or eval-mode ``nn.Dropout`` is called as its ``forward`` would, without the
-    module call path, ``_fused_common.linear``), then ``ops.qk_norm_rope(..., cos=None, text_first=False, rounding="each")``: one launch that
+    module call path, ``_fused_common.linear``), then ``ops.qk_norm_rope(..., cos=None, text_first=False,
+    rounding="each")``: one launch that
     normalizes q and k per head as diffusers' ``RMSNorm`` does (two roundings) and writes q, k and v straight
     into contiguous ``[B, S_img + S_txt, H, D]`` tensors, image rows first. The attention gets their
     ``[B, H, S, D]`` views, so its output is already token-major and the ``reshape`` after it is a view.

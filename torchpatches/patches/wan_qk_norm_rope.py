@@ -11,7 +11,8 @@ What goes wrong upstream
 What the patch changes
     ``WanAttnProcessor.__call__`` runs the projections, the attention and ``to_out`` exactly as diffusers
     does (module calls, so LoRA layers and hooks on them keep working; ``to_out``'s stock ``nn.Linear`` and
-    eval-mode ``nn.Dropout`` are called as their ``forward`` would, ``_fused_common.linear``) and replaces the stretch in between
+    eval-mode ``nn.Dropout`` are called as their ``forward`` would, ``_fused_common.linear``) and replaces the
+    stretch in between
     by ``torchpatches.ops.rms_norm_rope.rms_norm_rope``: one launch that normalizes q and k over their width
     and (self-attention) rotates them; the cross-attention's q (image tokens) and k (text tokens) are
     normalized in one launch too. Everything else runs diffusers' own ``__call__``: the I2V image context
