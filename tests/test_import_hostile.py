@@ -232,14 +232,16 @@ def test_optimized_and_stripped_docstrings() -> None:
         import diffusers.models.transformers.transformer_flux
         original = emb.apply_rotary_emb.__torchpatches_original__
         status = torchpatches.status()
-        print(status["rope"].state.value, status["compile_warnings"].state.value)
+        print("TP", status["rope"].state.value, status["compile_warnings"].state.value)
         torchpatches.revert()
-        print(emb.apply_rotary_emb is original)
+        print("TP", emb.apply_rotary_emb is original)
         """,
         "-OO",
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["applied", "applied", "True"]
+    # Only our lines: an installed transformers 5.x prints "[ERROR] ... not documented" to stdout under -OO.
+    ours = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("TP ")]
+    assert ours == [["applied", "applied"], ["True"]], result.stdout[-3000:]
 
 
 # ---- wrong argument types to the API ----------------------------------------------------------
