@@ -278,8 +278,9 @@ def state(variant: str) -> Iterator[None]:
     (``modulate_variants.py``); ``checked``: ``all`` with the fusion patterns calling the ops' checked public entries
     instead of their ``prechecked`` ones (:func:`checked_entries`); ``attn-forward``: ``all`` with the FLUX blocks
     calling their attention modules (:func:`attention_forward`); ``module-calls``: ``all`` with the fused paths calling
-    their stock ``nn.Linear`` / ``nn.Dropout`` layers as modules (:func:`module_calls`). A trailing ``+`` (a repeated
-    measurement) is ignored."""
+    their stock ``nn.Linear`` / ``nn.Dropout`` layers as modules (:func:`module_calls`); ``single:NAME``: ``all`` with
+    FLUX.1's single blocks computing ``proj_out`` without the concatenated buffer (``split_proj_out.py``). A trailing
+    ``+`` (a repeated measurement) is ignored."""
     import torchpatches
 
     base = variant.rstrip("+")
@@ -304,6 +305,11 @@ def state(variant: str) -> Iterator[None]:
             yield
     elif base.startswith("modulate:"):
         from modulate_variants import variant
+
+        with variant(base.split(":", 1)[1]):
+            yield
+    elif base.startswith("single:"):
+        from split_proj_out import variant
 
         with variant(base.split(":", 1)[1]):
             yield
