@@ -32,7 +32,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402
 import statistics  # noqa: E402
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple  # noqa: E402
+from typing import Any, Dict, Iterator, List, Optional, Tuple  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -46,16 +46,6 @@ GROUPS = (
     ("double: text q/k/v", 512, 3072, (3072, 3072, 3072)),
     ("single: q/k/v + MLP in", 4608, 3072, (3072, 3072, 3072, 12288)),
 )
-
-
-def gpu_ms(fn: Callable[[], Any], reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def gemm_part(reps: int, rounds: int) -> List[Dict[str, Any]]:
@@ -82,8 +72,8 @@ def gemm_part(reps: int, rounds: int) -> List[Dict[str, Any]]:
                 fn()
         sep_ms, mer_ms, sep_us, mer_us = [], [], [], []
         for _ in range(rounds):
-            sep_ms.append(gpu_ms(separate, reps))
-            mer_ms.append(gpu_ms(merged, reps))
+            sep_ms.append(_bench.time_back_to_back(separate, reps, 1)[0])
+            mer_ms.append(_bench.time_back_to_back(merged, reps, 1)[0])
             sep_us.append(batch_us(separate, 60, busy))
             mer_us.append(batch_us(merged, 60, busy))
         flops = 2 * m * k * sum(widths)

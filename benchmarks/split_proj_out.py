@@ -89,16 +89,6 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs() / spacing).max())
 
 
-def gpu_us(fn: Callable[[], Any], reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
-
-
 def kernels_of(fn: Callable[[], Any]) -> List[str]:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
@@ -130,7 +120,7 @@ def op_part(reps: int, rounds: int) -> Dict[str, Any]:
             TAILS[name](*args)
     for _ in range(rounds):
         for name in FORMS:
-            rows[name]["us"].append(gpu_us(lambda: TAILS[name](*args), reps))
+            rows[name]["us"].append(_bench.time_back_to_back(lambda: TAILS[name](*args), reps, 1)[0] * 1e3)
     flops = 2 * M * WIDTH * MLP + 2 * M * (WIDTH + MLP) * WIDTH
     print(f"one FLUX.1-dev single block's tail (M = {M}): GPU us (median of {rounds} rounds x {reps}), TFLOP/s of "
           f"the two GEMMs, output vs the buffer form and vs float64")
