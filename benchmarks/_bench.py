@@ -279,8 +279,10 @@ def state(variant: str) -> Iterator[None]:
     instead of their ``prechecked`` ones (:func:`checked_entries`); ``attn-forward``: ``all`` with the FLUX blocks
     calling their attention modules (:func:`attention_forward`); ``module-calls``: ``all`` with the fused paths calling
     their stock ``nn.Linear`` / ``nn.Dropout`` layers as modules (:func:`module_calls`); ``single:NAME``: ``all`` with
-    FLUX.1's single blocks computing ``proj_out`` without the concatenated buffer (``split_proj_out.py``). A trailing
-    ``+`` (a repeated measurement) is ignored."""
+    FLUX.1's single blocks computing ``proj_out`` without the concatenated buffer (``split_proj_out.py``);
+    ``no-glue``: ``all`` with every torchpatches Triton launch skipped (:func:`stubbed_launches`; the outputs are
+    wrong): what the fused step would take if its glue kernels cost nothing, the bound of any glue fusion. A
+    trailing ``+`` (a repeated measurement) is ignored."""
     import torchpatches
 
     base = variant.rstrip("+")
@@ -307,6 +309,9 @@ def state(variant: str) -> Iterator[None]:
         from modulate_variants import variant
 
         with variant(base.split(":", 1)[1]):
+            yield
+    elif base == "no-glue":
+        with stubbed_launches():
             yield
     elif base.startswith("single:"):
         from split_proj_out import variant
@@ -457,7 +462,8 @@ def stubbed_launches() -> Iterator[None]:
     """Every torchpatches kernel launch is a no-op (each ops module binds ``_launch.launch`` at import)."""
     import importlib
 
-    names = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rope_triton", "_triton_common")
+    names = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rope_triton", "_triton_common",
+             "_rope_tables_triton", "_lse_merge_triton")
     modules = [importlib.import_module(f"torchpatches.ops.{name}") for name in names]
     saved = [m.launch_kernel for m in modules]
     for m in modules:

@@ -8,6 +8,8 @@
 #      3 rounds (dit-flux1.json, log.txt, summary.txt; benchmarks/gpu_session_dit.sh)
 # PART=goals instead: where issue 17's goals 2, 4 and 5 stand, one lease: benchmarks/dit.py on FLUX.1-dev and FLUX.2
 # (2 + 12 blocks), eager, regional and full compile (FLUX.1's full compile on 2 + 4 blocks), 3 rounds.
+# PART=bound: the fused step with every torchpatches Triton launch skipped (_bench variant no-glue: wrong outputs;
+# the step's time if its glue cost nothing), FLUX.1-dev and FLUX.2 (2 + 12 blocks): eager, no-glue, regional, 3 rounds.
 # PART=cp (nvidia-h200-x2): goal 6, FLUX.1-dev under diffusers' even context parallelism (Ulysses 2, ring 2),
 # vanilla / all and the same through torchpatches.cuda_graphs.graphed, 3 alternated rounds (cp-flux1.json, .log).
 set -u
@@ -22,6 +24,11 @@ if [ "${PART:-split}" = cp ]; then
     echo "flux_cp exit $?"
     grep -vE "^\[?W[0-9]|experimental|Warning|warn_once|funcol|wait_tensor|before the output|^[12]\. |^\*+$|OMP_NUM" \
         "$OUT/cp-flux1.log" | tail -40
+    exit 0
+fi
+if [ "${PART:-split}" = bound ]; then
+    DIT_BUDGET=${DIT_BUDGET:-500} DIT_ARGS="${DIT_ARGS:---variants eager,no-glue,regional --rounds 3}" \
+        bash benchmarks/gpu_session_dit.sh flux1 flux2 | tail -20
     exit 0
 fi
 if [ "${PART:-split}" = goals ]; then
