@@ -15,6 +15,7 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 
 import contextlib  # noqa: E402
 import gc  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
@@ -281,8 +282,9 @@ def state(variant: str) -> Iterator[None]:
     their stock ``nn.Linear`` / ``nn.Dropout`` layers as modules (:func:`module_calls`); ``single:NAME``: ``all`` with
     FLUX.1's single blocks computing ``proj_out`` without the concatenated buffer (``split_proj_out.py``);
     ``no-glue``: ``all`` with every torchpatches Triton launch skipped (:func:`stubbed_launches`; the outputs are
-    wrong): what the fused step would take if its glue kernels cost nothing, the bound of any glue fusion. A
-    trailing ``+`` (a repeated measurement) is ignored."""
+    wrong): what the fused step would take if its glue kernels cost nothing, the bound of any glue fusion;
+    ``rows:CAPxWARPS``: ``all`` with the row kernel (FLUX.1's single-block buffer) in that launch configuration
+    (``rows_sweep.py``). A trailing ``+`` (a repeated measurement) is ignored."""
     import torchpatches
 
     base = variant.rstrip("+")
@@ -305,24 +307,22 @@ def state(variant: str) -> Iterator[None]:
     elif base == "module-calls":
         with module_calls():
             yield
-    elif base.startswith("modulate:"):
-        from modulate_variants import variant
-
-        with variant(base.split(":", 1)[1]):
-            yield
     elif base == "no-glue":
         with stubbed_launches():
             yield
-    elif base.startswith("single:"):
-        from split_proj_out import variant
-
-        with variant(base.split(":", 1)[1]):
+    elif base.partition(":")[0] in _VARIANT_MODULES and ":" in base:
+        prefix, _, name = base.partition(":")
+        with importlib.import_module(_VARIANT_MODULES[prefix]).variant(name):
             yield
     elif base.startswith("-"):
         with torchpatches.disabled(base[1:]):
             yield
     else:
         raise ValueError(f"unknown variant {variant!r}")
+
+
+#: ``PREFIX:NAME`` variants: the benchmark module whose ``variant(NAME)`` context manager sets them up.
+_VARIANT_MODULES = {"modulate": "modulate_variants", "rows": "rows_sweep", "single": "split_proj_out"}
 
 
 @contextlib.contextmanager
@@ -347,7 +347,6 @@ def module_calls() -> Iterator[None]:
     ``_fused_common.linear`` / ``dropout``), for a timing A/B of that change in one process: the names are swapped in
     each patch module that imported them. Each swapped call adds one Python frame (a lambda) to what round 13 ran:
     count Python calls by comparing trees (``host_profile.py --stub-kernels``), not with this variant."""
-    import importlib
 
     import torchpatches.patches as patches
     from torchpatches.patches import _fused_common, qk_norm_rope
@@ -423,7 +422,6 @@ TRITON_KERNEL_MODULES = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_
 def integer_rounding() -> Iterator[None]:
     """The fused ops' compiled kernels rebuilt with the integer bf16 rounding their CPU interpreter uses (what
     compiled kernels used before issue 17, round 4), for an A/B against the cast in one process."""
-    import importlib
     import types
 
     import triton
@@ -460,7 +458,6 @@ def cuda_kernel(module: Any, kernel: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def stubbed_launches() -> Iterator[None]:
     """Every torchpatches kernel launch is a no-op (each ops module binds ``_launch.launch`` at import)."""
-    import importlib
 
     names = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rope_triton", "_triton_common",
              "_rope_tables_triton", "_lse_merge_triton")

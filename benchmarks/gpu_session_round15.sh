@@ -10,6 +10,9 @@
 # (2 + 12 blocks), eager, regional and full compile (FLUX.1's full compile on 2 + 4 blocks), 3 rounds.
 # PART=bound: the fused step with every torchpatches Triton launch skipped (_bench variant no-glue: wrong outputs;
 # the step's time if its glue cost nothing), FLUX.1-dev and FLUX.2 (2 + 12 blocks): eager, no-glue, regional, 3 rounds.
+# PART=rows: benchmarks/rows_sweep.py (the row kernel's launch configurations at FLUX.1's single-block shapes;
+# rows.json, rows.txt), then benchmarks/dit.py on FLUX.1-dev with the package's configuration and the sweep's fastest
+# (_bench variant rows:CAPxWARPS) alternated, and regional compile, 3 rounds.
 # PART=cp (nvidia-h200-x2): goal 6, FLUX.1-dev under diffusers' even context parallelism (Ulysses 2, ring 2),
 # vanilla / all and the same through torchpatches.cuda_graphs.graphed, 3 alternated rounds (cp-flux1.json, .log).
 set -u
@@ -24,6 +27,15 @@ if [ "${PART:-split}" = cp ]; then
     echo "flux_cp exit $?"
     grep -vE "^\[?W[0-9]|experimental|Warning|warn_once|funcol|wait_tensor|before the output|^[12]\. |^\*+$|OMP_NUM" \
         "$OUT/cp-flux1.log" | tail -40
+    exit 0
+fi
+if [ "${PART:-split}" = rows ]; then
+    timeout 120 python3 benchmarks/rows_sweep.py --json "$OUT/rows.json" > "$OUT/rows.txt" 2>&1
+    echo "rows_sweep exit $?"; grep -vE "Warning|warn" "$OUT/rows.txt" | tail -9
+    best=$(cd benchmarks && python3 -c "import sys, rows_sweep; print(rows_sweep.best(sys.argv[1]))" "$OUT/rows.json")
+    echo "fastest: $best"
+    DIT_BUDGET=${DIT_BUDGET:-330} DIT_ARGS="--variants eager,rows:$best,regional --rounds 3" \
+        bash benchmarks/gpu_session_dit.sh flux1 | tail -12
     exit 0
 fi
 if [ "${PART:-split}" = bound ]; then
