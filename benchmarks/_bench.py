@@ -288,6 +288,7 @@ def state(variant: str) -> Iterator[None]:
     import torchpatches
 
     base = variant.rstrip("+")
+    prefix, colon, name = base.partition(":")
     if base == "vanilla":
         with torchpatches.disabled():
             yield
@@ -310,8 +311,7 @@ def state(variant: str) -> Iterator[None]:
     elif base == "no-glue":
         with stubbed_launches():
             yield
-    elif base.partition(":")[0] in _VARIANT_MODULES and ":" in base:
-        prefix, _, name = base.partition(":")
+    elif colon and prefix in _VARIANT_MODULES:
         with importlib.import_module(_VARIANT_MODULES[prefix]).variant(name):
             yield
     elif base.startswith("-"):
@@ -457,11 +457,15 @@ def cuda_kernel(module: Any, kernel: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def stubbed_launches() -> Iterator[None]:
-    """Every torchpatches kernel launch is a no-op (each ops module binds ``_launch.launch`` at import)."""
+    """Every torchpatches kernel launch is a no-op: each ops module that binds ``_launch.launch`` at import (as
+    ``launch_kernel``) gets a no-op in its place. The modules are found, not listed: a list missed two of them."""
+    import pkgutil
 
-    names = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rope_triton", "_triton_common",
-             "_rope_tables_triton", "_lse_merge_triton")
-    modules = [importlib.import_module(f"torchpatches.ops.{name}") for name in names]
+    import torchpatches.ops as ops
+
+    names = [info.name for info in pkgutil.iter_modules(ops.__path__) if "triton" in info.name]
+    modules = [m for m in (importlib.import_module(f"{ops.__name__}.{name}") for name in names)
+               if hasattr(m, "launch_kernel")]
     saved = [m.launch_kernel for m in modules]
     for m in modules:
         m.launch_kernel = lambda *args, **kwargs: None

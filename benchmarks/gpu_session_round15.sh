@@ -20,35 +20,32 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader; nproc
-if [ "${PART:-split}" = cp ]; then
+case ${PART:-split} in
+cp)
     timeout 540 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --models flux1 \
         --json "$OUT/cp-flux1.json" --modes ulysses,ring --variants vanilla,all --no-one-gpu --rounds 3 --iters 10 \
         --warmup 2 --back-to-back 4 --profile --graphed > "$OUT/cp-flux1.log" 2>&1
     echo "flux_cp exit $?"
     grep -vE "^\[?W[0-9]|experimental|Warning|warn_once|funcol|wait_tensor|before the output|^[12]\. |^\*+$|OMP_NUM" \
-        "$OUT/cp-flux1.log" | tail -40
-    exit 0
-fi
-if [ "${PART:-split}" = rows ]; then
+        "$OUT/cp-flux1.log" | tail -40;;
+rows)
     timeout 120 python3 benchmarks/rows_sweep.py --json "$OUT/rows.json" > "$OUT/rows.txt" 2>&1
     echo "rows_sweep exit $?"; grep -vE "Warning|warn" "$OUT/rows.txt" | tail -9
     best=$(cd benchmarks && python3 -c "import sys, rows_sweep; print(rows_sweep.best(sys.argv[1]))" "$OUT/rows.json")
     echo "fastest: $best"
     DIT_BUDGET=${DIT_BUDGET:-330} DIT_ARGS="--variants eager,rows:$best,regional --rounds 3" \
-        bash benchmarks/gpu_session_dit.sh flux1 | tail -12
-    exit 0
-fi
-if [ "${PART:-split}" = bound ]; then
+        bash benchmarks/gpu_session_dit.sh flux1 | tail -12;;
+bound)
     DIT_BUDGET=${DIT_BUDGET:-500} DIT_ARGS="${DIT_ARGS:---variants eager,no-glue,regional --rounds 3}" \
-        bash benchmarks/gpu_session_dit.sh flux1 flux2 | tail -20
-    exit 0
-fi
-if [ "${PART:-split}" = goals ]; then
+        bash benchmarks/gpu_session_dit.sh flux1 flux2 | tail -20;;
+goals)
     DIT_BUDGET=${DIT_BUDGET:-570} DIT_ARGS="${DIT_ARGS:---variants eager,regional,full --rounds 3}" \
-        bash benchmarks/gpu_session_dit.sh flux1 flux2 | tail -24
-    exit 0
-fi
-timeout 120 python3 benchmarks/split_proj_out.py --json "$OUT/ops.json" > "$OUT/ops.txt" 2>&1
-echo "split_proj_out exit $?"; grep -vE "Warning|warn" "$OUT/ops.txt" | tail -6
-DIT_BUDGET=${DIT_BUDGET:-420} DIT_ARGS="${DIT_ARGS:---variants eager,single:split,single:strided,regional --rounds 3}" \
-    bash benchmarks/gpu_session_dit.sh flux1 | tail -16
+        bash benchmarks/gpu_session_dit.sh flux1 flux2 | tail -24;;
+split)
+    timeout 120 python3 benchmarks/split_proj_out.py --json "$OUT/ops.json" > "$OUT/ops.txt" 2>&1
+    echo "split_proj_out exit $?"; grep -vE "Warning|warn" "$OUT/ops.txt" | tail -6
+    DIT_BUDGET=${DIT_BUDGET:-420} \
+        DIT_ARGS="${DIT_ARGS:---variants eager,single:split,single:strided,regional --rounds 3}" \
+        bash benchmarks/gpu_session_dit.sh flux1 | tail -16;;
+*) echo "unknown PART $PART (split, goals, bound, rows, cp)"; exit 2;;
+esac
