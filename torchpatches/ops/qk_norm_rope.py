@@ -161,10 +161,20 @@ def _check_weight(w: Optional[torch.Tensor], name: str, q: torch.Tensor) -> Opti
     return w.contiguous()
 
 
+def _strides_read(t: torch.Tensor) -> tuple:
+    """The strides the kernel multiplies by a non-zero index: those of the dims longer than one."""
+    return tuple(stride for size, stride in zip(t.shape, t.stride()) if size != 1)
+
+
 def _same_strides(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The kernel takes one set of strides per group: copy any tensor that differs (rare)."""
-    first = tensors[0].stride()
-    return [t if t.stride() == first else t.contiguous() for t in tensors]
+    """The kernel reads a group (q, k, v of one stream; shapes equal) with one set of strides: where they differ
+    (rare: e.g. a padded q beside a contiguous k), every tensor of the group is made contiguous. Copying only the
+    one that differs is not enough: ``.contiguous()`` of a contiguous tensor is the tensor itself, whose strides
+    still differ from a padded one's."""
+    first = _strides_read(tensors[0])
+    if all(_strides_read(t) == first for t in tensors[1:]):
+        return tensors
+    return [t.contiguous() for t in tensors]
 
 
 def _check_rope_args(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> bool:
