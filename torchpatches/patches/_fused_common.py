@@ -144,6 +144,11 @@ def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -
         # The original's name and docstring; no __wrapped__ (inspect.unwrap / fingerprint see this function).
         functools.update_wrapper(method, original, assigned=("__name__", "__qualname__", "__doc__"), updated=())
         del method.__wrapped__  # the registry marks it with the original and the patch name
+        # A code object of its own, as each original has: Dynamo keeps its compiled entries (and counts recompiles
+        # against recompile_limit) per code object. Shared, the forwards of FLUX's double and single blocks would be
+        # one frame to Dynamo, whose guard on ``original`` fails at the second block: a recompile under diffusers'
+        # regional compile, a hard failure with fullgraph=True and recompile_limit=1.
+        method.__code__ = method.__code__.replace(co_name=original.__name__, co_qualname=original.__qualname__)
         return method
 
     make.__name__ = f"{pattern}_{getattr(body, '__name__', 'body')}"
