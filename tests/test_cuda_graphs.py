@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import re
 import warnings
 import weakref
 from typing import Any, Callable, Tuple
@@ -477,6 +478,48 @@ def test_refusals(net: Net) -> None:
         graphed(graphed(net))
     with pytest.raises(ValueError, match="callable"):
         graphed(3)
+
+
+
+@pytest.mark.parametrize("flag", ["clone", "watch_model"])
+@pytest.mark.parametrize("bad", ["no", "False", "", 0, 1, None, 1.0])
+def test_flags_must_be_bools(net: Net, flag: str, bad: Any) -> None:
+    with pytest.raises(ValueError, match=f"{flag} must be a bool, got {re.escape(repr(bad))}"):
+        graphed(net, **{flag: bad})
+    assert getattr(graphed(net, **{flag: False}), f"_{flag}") is False
+    assert getattr(graphed(net, **{flag: True}), f"_{flag}") is True
+
+
+_UNKEYABLE_CALLS = {  # the same call, the unkeyable argument before and after the tensors, at the top and nested
+    "keywords, generator last": lambda w, x, gen: w(x=x, extra={"gen": gen}),
+    "keywords, generator first": lambda w, x, gen: w(extra={"gen": gen}, x=x),
+    "positional tensor": lambda w, x, gen: w(x, extra={"gen": gen}),
+    "dict, tensor first": lambda w, x, gen: w(extra={"t": x, "gen": gen}, x=x),
+    "dict, generator first": lambda w, x, gen: w(extra={"gen": gen, "t": x}, x=x),
+    "list, tensor first": lambda w, x, gen: w(extra=[x, [gen]], x=x),
+    "list, generator first": lambda w, x, gen: w(extra=[[gen], x], x=x),
+    "tuple, tensor first": lambda w, x, gen: w(extra=(x, gen), x=x),
+    "tuple, generator first": lambda w, x, gen: w(extra=(gen, x), x=x),
+}
+
+
+@pytest.mark.parametrize("order", list(_UNKEYABLE_CALLS))
+def test_an_unkeyable_argument_is_refused_whatever_the_order(order: str) -> None:
+    """A call with an argument no key can hold raises, also when its tensors would run it eagerly (CPU tensors for
+    the CUDA backend, a tensor on the meta device, a sparse tensor, tensors on two devices): keyword order, dict
+    order and container nesting do not change the outcome, and the model is not called."""
+    calls = []
+    model = lambda *args, **kwargs: calls.append(1)  # noqa: E731
+    gen, call, meta = torch.Generator(), _UNKEYABLE_CALLS[order], torch.randn(1, device="meta")
+    for w, x in ((graphed(model), torch.randn(2, 4)),                 # CPU tensors, the CUDA backend
+                 (wrap(model), torch.randn(2, 4, device="meta")),     # not the backend's device type
+                 (wrap(model), torch.randn(2, 4).to_sparse()),        # not strided
+                 (wrap(model), [torch.randn(2, 4), meta]),            # two devices
+                 (wrap(model), torch.randn(2, 4))):                   # keyable tensors
+        with pytest.raises(ValueError, match=r"argument kwargs\['extra'\].* is a torch._C.Generator"):
+            call(w, x, gen)
+        assert w.info()[:3] == (0, 0, 0)
+    assert not calls
 
 
 def test_compiled_wrapper_calls_the_model(net: Net) -> None:

@@ -62,20 +62,26 @@ def call_key(args: Tuple[Any, ...], kwargs: Dict[str, Any], device_type: str
              ) -> Tuple[Any, List[torch.Tensor], Any, Optional[torch.device]]:
     """(key, tensor leaves, pytree spec, device) of a call, or ``(Refused(reason), [], spec, None)`` for a call
     a graph does not serve: no tensor, a tensor not on one ``device_type`` device, a tensor subclass, a
-    non-strided layout. A non-tensor argument that cannot be keyed by value raises ``ValueError`` naming it."""
+    non-strided layout. A non-tensor argument that cannot be keyed by value raises ``ValueError`` naming it,
+    whatever the tensors (a refused call too): every argument is read before the call is refused, so the order
+    of the arguments does not change the outcome."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     parts: List[Any] = [spec]
     tensors: List[torch.Tensor] = []
     device: Optional[torch.device] = None
+    refused: Optional[Refused] = None
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
+            if refused is not None:
+                continue
             if type(leaf) not in PLAIN_TENSORS or leaf.layout is not torch.strided:
-                return Refused(f"an argument is a {type(leaf).__name__} ({leaf.layout})"), [], spec, None
+                refused = Refused(f"an argument is a {type(leaf).__name__} ({leaf.layout})")
+                continue
             if device is None:
                 device = leaf.device
             if leaf.device != device or device.type != device_type:
-                return Refused(f"tensor arguments on {leaf.device} (graphs serve one {device_type} device)"), [], \
-                    spec, None
+                refused = Refused(f"tensor arguments on {leaf.device} (graphs serve one {device_type} device)")
+                continue
             tensors.append(leaf)
             parts.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.requires_grad))
             continue
@@ -87,8 +93,10 @@ def call_key(args: Tuple[Any, ...], kwargs: Dict[str, Any], device_type: str
                 "must be None, bool, int, float, complex, str, bytes, enums, torch.dtype/device/layout/memory_format"
                 " or tuples, lists and dicts of these (pass changing values as tensors)")
         parts.append(key)
-    if device is None:
-        return Refused("no tensor argument"), [], spec, None
+    if refused is None and device is None:
+        refused = Refused("no tensor argument")
+    if refused is not None:
+        return refused, [], spec, None
     parts.append(device)
     return tuple(parts), tensors, spec, device
 

@@ -31,7 +31,8 @@ Semantics (docs/cuda_graphs.md has the long form):
   requires grad: warned once) -- a graph cannot record autograd history. A signature whose capture fails (the
   model synchronises with the host: ``.item()``, data-dependent shapes, offloading) is warned once and runs
   eagerly from then on.
-- **Refused**: a non-tensor argument that cannot be keyed by value (``ValueError`` naming it).
+- **Refused**: a non-tensor argument that cannot be keyed by value (``ValueError`` naming it), also in a call
+  that would run eagerly (CPU tensors, ...): every argument is read first, so their order does not matter.
 - **Memory**: the graphs share one private pool per device (about the largest graph's activations), plus each
   graph's static inputs and outputs. At most ``max_graphs`` signatures are kept (least recently used dropped).
 - Not thread-safe: one wrapper per thread.
@@ -113,8 +114,11 @@ class Graphed:
             raise ValueError(f"graphed: max_graphs must be an int >= 1, got {max_graphs!r}")
         if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
             raise ValueError(f"graphed: warmup must be an int >= 1 (capture needs a warmed-up call), got {warmup!r}")
+        for name, value in (("clone", clone), ("watch_model", watch_model)):
+            if not isinstance(value, bool):
+                raise ValueError(f"graphed: {name} must be a bool, got {value!r}")
         self._model = model
-        self._clone, self._max_graphs, self._warmup, self._watch_model = bool(clone), max_graphs, warmup, watch_model
+        self._clone, self._max_graphs, self._warmup, self._watch_model = clone, max_graphs, warmup, watch_model
         self._backend = backend if backend is not None else CudaBackend()
         self._init_state()
 
@@ -256,16 +260,18 @@ def graphed(model: Callable[..., Any], *, clone: bool = True, max_graphs: int = 
             watch_model: bool = True) -> Graphed:
     """``model`` (an ``nn.Module`` or any callable) run through CUDA graphs, one per input signature.
 
-    - ``clone``: return fresh output tensors (default) rather than the graph's static output, which the next
-      call of the wrapper overwrites.
+    - ``clone``: return fresh output tensors (default) rather than the graph's static output, which the next call
+      of the wrapper overwrites.
     - ``max_graphs``: signatures kept, least recently used dropped first (a failed capture counts as one).
     - ``warmup``: eager calls on a side stream before a capture (>= 1).
     - ``watch_model``: check on every call that the model has not changed (about 1 ms for FLUX.1-dev's 1,279
       modules, 10 ms or more with peft adapters loaded, on a 2-core CPU); ``False`` skips it, and then
       :meth:`Graphed.reset` after any change is the caller's job. For a callable that is not a module only the
       process state is watched.
+    - ``clone`` and ``watch_model`` take ``True`` or ``False``; any other value raises ``ValueError``.
 
     Calls on CPU tensors run ``model`` as it is, so the same code runs without a GPU. Raises ``ValueError``
-    for an argument that cannot be keyed (see the module docstring).
+    for an argument that cannot be keyed (see the module docstring), on a CPU as on a GPU and in any argument
+    order.
     """
     return Graphed(model, clone=clone, max_graphs=max_graphs, warmup=warmup, watch_model=watch_model)
