@@ -58,6 +58,29 @@ def test_other_scalings_within_the_gemm_error_and_cpu_tensor_scaling() -> None:
     assert units <= 8 + 2, units
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scale_zero_with_non_finite_weights_is_peft_order(dtype: torch.dtype) -> None:
+    """peft's ``result + lora_B(t) * 0`` is NaN where ``lora_B(t)`` is inf or NaN; a GEMM with ``alpha=0`` may not
+    compute its product at all (MKL's fp32 GEMM does not), so a scaling of 0 takes peft's order: bit-identical,
+    NaN positions included. A nonzero scaling gives the same NaN and inf positions through the GEMM."""
+    x, weight, bias, adapters = make((2, 3, 16), 8, [2, 3], [1.0, 1.0])
+    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
+    (a1, b1, _), (a2, b2, _) = [(a.to(dtype), b.to(dtype), s) for a, b, s in adapters]
+    b1[2, 0], b1[5, 1], a2[0, 3] = float("inf"), float("nan"), float("nan")
+    for s1, s2 in ((0.0, 1.0), (0, 0.5), (torch.tensor(0.0), 1.0), (1.5, 0.0), (1.25, 2.0)):
+        for gelu in (False, True):
+            both = [(a1, b1, s1), (a2, b2, s2)]
+            first = [(a1, b1, s1)]  # lora_B output not finite in columns 2 and 5 only
+            for chosen in (first, both):
+                with torch.no_grad():
+                    out = lora_linear(x, weight, bias, chosen, gelu=gelu, tier="epilogue")
+                    ref = lora_linear(x, weight, bias, chosen, gelu=gelu, tier="torch")
+                assert ref.isnan().any()
+                assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf()), (s1, s2)
+                if chosen is first and float(s1) == 0:  # peft's order itself
+                    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+
+
 def test_grad_gets_the_torch_tier_and_the_epilogue_tier_refuses_it() -> None:
     x, weight, bias, adapters = make((3, 16), 8, [2], [1.0])
     a = adapters[0][0].requires_grad_(True)

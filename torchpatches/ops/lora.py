@@ -31,9 +31,18 @@ GEMM fuses ``alpha * acc + C`` into one FMA or, as MKL does on the CPU, applies 
 before it accumulates); otherwise both are the same products summed with roundings in another order, within
 the GEMM's own error bound (``(rank + 2) * u * (|C| + s * |t| @ |B|.T)``, measured at 3 - 5 units of
 ``u = 2**-24``). bf16/fp16 round the sum once where peft rounds three times (the fused result is the more
-accurate one): at most 1 ulp from peft's at the magnitude of the summands, 2 with the GELU (measured on the
-CPU; on an H100, torch 2.11, the fused output was the closer to fp32 for FLUX's shapes). A device-tensor
-scaling rounds ``t * s`` instead of ``u * s``.
+accurate one), so the fused output is within, in ulps of peft's at the magnitude of the summands: **1** per
+adapter whose scaling is a power of two; **2** per adapter otherwise, because peft rounds the unscaled product
+``u`` and then ``u * s`` (up to ``s/2`` ulp of ``u`` plus 1/2 ulp of the product, at most 1.5 ulp of it, before
+the sum's rounding, which both paths make); one more with the GELU. Several adapters' bounds add up (each sum is
+rounded into the result, peft's too). The bounds are reached (CPU, ``tests/patches/test_lora.py``): 1 ulp for
+scalings 0.5, 1, 2 (0 on an H200), 2 for 1.25 and 1.5 (an H200 too), 3 with the GELU at 1.5; two adapters 2 (1, 2) and 3 (1.25,
+1.5).
+A scaling of 0 runs peft's order for its adapter (``result + u * 0``): a GEMM with ``alpha=0`` may skip its
+product (MKL's fp32 GEMM and cuBLAS do), and peft's result is NaN wherever ``u`` is not finite (an inf or NaN adapter
+weight). Where ``u`` overflows fp16 but ``u * s`` would not, peft's result is inf and the fused one finite. A
+device-tensor scaling that is not a power of two rounds ``t * s`` instead of ``u * s``: within 2 ulp at the
+magnitude of ``s * |t| @ |B|.T``, which can be many ulps of the output where the rank sum cancels.
 """
 from __future__ import annotations
 
@@ -109,6 +118,11 @@ def _epilogue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         t = F.linear(x, a)
         t2d = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
         alpha = _alpha(scaling, t2d)
+        if alpha == 0:
+            # peft's order: a GEMM with alpha=0 skips its product (MKL fp32, cuBLAS), dropping the NaN that
+            # 0 * inf or 0 * NaN gives where lora_B's output is not finite (non-finite weights, fp16 overflow).
+            result.add_(F.linear(t, b).mul_(alpha))
+            continue
         if gelu and i == last and result.device.type == "cuda":
             # GELU in this GEMM's epilogue; on the CPU this op would be the erf GELU (see the module doc).
             torch._addmm_activation(out2d, t2d, b.t(), beta=1, alpha=alpha, use_gelu=True, out=out2d)

@@ -29,8 +29,10 @@ Tolerance
     fp32: bit-identical to peft when each scaling is a power of two (``lora_alpha / r`` usually is), otherwise
     within the GEMM's own error bound (the GEMM applies ``alpha`` itself: ``ops/lora.py``). bf16/fp16: one
     rounding of the sum where peft rounds three times (``lora_B``'s output, the product, the sum): the fused
-    result is the more accurate and at most 1 ulp from peft's at the summands' magnitude (2 with the GELU,
-    where diffusers rounds once more; ``tests/patches/test_lora.py``).
+    result is the more accurate, and from peft's at the summands' magnitude at most 1 ulp per adapter whose
+    scaling is a power of two, 2 per adapter otherwise (peft rounds the unscaled product before scaling it), one
+    more with the GELU (diffusers rounds once more); the one-adapter bounds are reached (``tests/patches/test_lora.py``). A
+    scaling of 0 runs peft's order for its adapter: NaN where an adapter weight is inf or NaN, as peft's.
 
 Versions
     peft 0.17 - 0.21: ``Linear.forward`` fingerprinted on 0.21.0 (installed, tested) and read from the
