@@ -75,6 +75,71 @@ def test_batch_of_two_with_different_masks(calls: Dict[str, int]) -> None:
     assert same(out, ref, "qwenimage") and dict(calls) == EXPECTED
 
 
+#: Head dim -> axes_dims_rope (summing to it). torch's CPU complex multiply runs the complex64 values of a row in
+#: vectors (8 with AVX-512, 4 with AVX2) and the rest in a scalar loop that contracts ``a*c - b*d`` to an FMA; a
+#: real-form rotation (cos/sin tables) then differs by an ulp in those last values: at 8, 12, 24 and 40 on AVX-512
+#: (4, 6, 4, 4 of 4, 6, 12, 20 values), never at 16, 32 and 64. The PyTorch tier multiplies as diffusers does.
+HEAD_DIMS = {8: (2, 2, 4), 12: (4, 4, 4), 16: (4, 6, 6), 24: (8, 8, 8), 32: (8, 12, 12), 40: (8, 16, 16),
+             64: (16, 24, 24)}
+#: The Triton tier (interpreter on CPU) in fp32: measured up to 3.0 x eps x max|out| (7.2e-7 at head dim 12).
+TRITON_FP32_EPS = 4
+
+
+def _model_with_head_dim(head_dim: int, heads: int = 2, dtype: torch.dtype = torch.float32):
+    """qwenimage-fused (2 blocks, padded text mask) with another head dim / head count, built as build_model does."""
+    from torchpatches._harness import CONFIGS
+
+    class_name, config = CONFIGS["qwenimage-fused"]
+    config = {**config, "attention_head_dim": head_dim, "num_attention_heads": heads,
+              "axes_dims_rope": HEAD_DIMS[head_dim]}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            torch.manual_seed(0)
+            model = getattr(diffusers, class_name)(**config).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(previous)
+    inputs = tiny_inputs("qwenimage-fused", dtype=dtype, device=DEVICE)
+    inputs.pop("return_dict")
+    return model, inputs
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("head_dim", sorted(HEAD_DIMS))
+def test_every_head_dim_fp32(head_dim: int, tier: str, calls: Dict[str, int]) -> None:
+    """fp32, 2 heads: the PyTorch tier equals diffusers bit for bit at every head dim (before the tier ran
+    diffusers' complex multiply, 8, 12, 24 and 40 differed by 1-2 ulp in up to 107 of 256 outputs); the Triton
+    tier stays within TRITON_FP32_EPS x eps x max|out|."""
+    if tier == "triton" and DEVICE.type != "cpu":
+        pytest.skip("the compiled kernels' fp32 bound is measured on the GPU, not here")
+    model, inputs = _model_with_head_dim(head_dim)
+    ref = reverted(model, inputs)
+    with force_tier(tier), torchpatches.disabled("gelu_gemm"):
+        out = run(model, inputs)
+    assert dict(calls) == EXPECTED
+    if tier == "torch":
+        assert torch.equal(out, ref), f"max |diff| {(out - ref).abs().max().item():.3g}"
+    else:
+        bound = TRITON_FP32_EPS * torch.finfo(torch.float32).eps * ref.abs().max().item()
+        assert (out - ref).abs().max().item() <= bound
+
+
+def test_one_head_batch_of_two_fp32(calls: Dict[str, int]) -> None:
+    """One head (torch coalesces a row's tokens into one loop) and two samples (the per-stream slices of the
+    joint tensors are not contiguous), head dim 24, fp32, PyTorch tier: diffusers' values bit for bit."""
+    model, inputs = _model_with_head_dim(24, heads=1)
+    for name in ("hidden_states", "encoder_hidden_states"):
+        inputs[name] = torch.cat([inputs[name], inputs[name] * 0.5])
+    inputs.update(timestep=torch.tensor([0.5, 0.7], device=DEVICE),
+                  encoder_hidden_states_mask=torch.tensor([[1] * 8, [1] * 5 + [0] * 3], device=DEVICE),
+                  img_shapes=[[(1, 4, 4)], [(1, 4, 4)]])
+    ref = reverted(model, inputs)
+    with exact():
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and dict(calls) == EXPECTED
+
+
 def test_triton_kernels_in_the_model(calls: Dict[str, int]) -> None:
     """The Triton kernels (interpreter), bf16: one-ulp differences at most, carried through two blocks of bf16
     GEMMs (fp32 models run the kernels in test_a_rebound_global_is_what_runs, within 1e-5)."""

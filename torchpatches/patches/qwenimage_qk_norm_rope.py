@@ -19,7 +19,8 @@ What the patch changes
     normalizes q and k per head as diffusers' ``RMSNorm`` rounds, rotates them and writes q, k and v
     straight into the joint ``[B, S_txt + S_img, H, D]`` tensors. The complex freqs become the op's
     fp32 ``cos``/``sin`` tables once per step, and the joint mask is built once per step
-    (``_qwenimage_tables``). Everything else runs diffusers' own ``__call__``: ``torch.compile``,
+    (``_qwenimage_tables``); the PyTorch tier rotates with diffusers' complex multiply instead (Tolerance).
+    Everything else runs diffusers' own ``__call__``: ``torch.compile``,
     ``torch.jit.trace``, forward AD and functorch transforms, gradients, autocast, an external
     ``attention_mask`` or no text stream (diffusers raises), no rotary embedding or one that is not two
     complex64 tables of the streams' lengths, q/k norms that are not stock diffusers ``RMSNorm`` with a
@@ -31,8 +32,16 @@ What the patch changes
     attention call gets diffusers' arguments (the config, the joint mask).
 
 Tolerance
-    Bit-identical to diffusers with the PyTorch tier (CPU); the Triton kernel rounds at the same points,
-    fp32 reduction order and fused multiply-adds may move a result by one ulp (``ops/qk_norm_rope.py``).
+    PyTorch tier (a forced tier on the CPU; a GPU without Triton): bit-identical to diffusers on the CPU, fp32 at
+    head dims 8, 12, 16, 24, 32, 40 and 64, bf16 and fp16 at 16 (tests). The op only normalizes and concatenates
+    there; each stream is rotated by diffusers' own ``apply_rotary_emb_qwen`` (one complex64 multiply). torch's
+    CPU complex product equals the op's real-form rotation only in the pairs its vector loop covers (8 per row
+    with AVX-512, 4 with AVX2): the scalar tail contracts ``a*c - b*d`` to an FMA, so the cos/sin rotation put
+    the last ``(D/2) mod 8`` pairs 1 ulp off (head dims 8, 12, 24, 40: tiny fp32 model up to 7.2e-7). CUDA's
+    complex product contracts everywhere; the same change should make the tier exact there (not measured).
+    The Triton kernel rounds at the same points; fp32 reduction order and fused multiply-adds move the
+    stretch's q/k by up to 2.6 eps x a head's largest value, the tiny fp32 model's output by at most
+    3.1 eps x max|out| (7.2e-7 at head dim 12; ``ops/qk_norm_rope.py``).
 
 Versions
     diffusers 0.42.x (fingerprint verified on 0.42.1; 0.42.0's source of the target is the same); torch >= 2.4.
@@ -113,26 +122,48 @@ def _covered(attn: Any, hidden_states: Any, encoder_hidden_states: Any, mask: An
     )
 
 
-def _fused_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any) -> Optional[tuple]:
-    """(q, k, v) joint tensors from the fused op, or None where a tensor does not fit it."""
+def _fused_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any, module: Any = None) -> Optional[tuple]:
+    """(q, k, v) joint tensors from the fused op, or None where a tensor does not fit it.
+
+    The kernel tier rotates with the op's cos/sin tables. The PyTorch tier (CPU with a forced tier, or a GPU
+    without Triton) has the op normalize and concatenate only, then rotates each stream with diffusers' own
+    ``apply_rotary_emb_qwen`` (one complex64 multiply per tensor, fewer launches than the op's real form): torch
+    rounds a complex product differently from the real-form rotation where its vectorized loop does not reach
+    (the CPU's scalar tail contracts ``a*c - b*d`` to an FMA; CUDA always does), so only diffusers' own
+    multiply on each stream's own tensor gives diffusers' bits at every head dim and on every device.
+    ``module``: diffusers' ``transformer_qwenimage`` (looked up when None: ``benchmarks/dit_ops.py`` calls this)."""
     q = img[0]
     if any(type(t) is not torch.Tensor or t.dtype != q.dtype for t in img + txt):
         return None
     if not _norms_fit(attn, q):
         return None
-    tables = rope_tables(*image_rotary_emb, q.shape[1], txt[0].shape[1], q.shape[-1], q.device)
+    s_txt = txt[0].shape[1]
+    tables = rope_tables(*image_rotary_emb, q.shape[1], s_txt, q.shape[-1], q.device)
     if tables is None:
         return None
+    from ..ops._tiers import choose_tier
     from ..ops.qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
 
     try:
-        return qk_norm_rope(img[0], img[1], *tables, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
-                            eps_q=attn.norm_q.eps, eps_k=attn.norm_k.eps, v=img[2], q_txt=txt[0], k_txt=txt[1],
-                            v_txt=txt[2], q_txt_weight=attn.norm_added_q.weight,
-                            k_txt_weight=attn.norm_added_k.weight, eps_q_txt=attn.norm_added_q.eps,
-                            eps_k_txt=attn.norm_added_k.eps, rounding="each")
-    except ValueError:  # e.g. a projection returned another shape; the op checks before it computes
+        tier = choose_tier(q.device.type, None)  # never under autograd: fusable() leaves such calls to diffusers
+        q, k, v = qk_norm_rope(img[0], img[1], *(tables if tier != "torch" else (None, None)),
+                               q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight, eps_q=attn.norm_q.eps,
+                               eps_k=attn.norm_k.eps, v=img[2], q_txt=txt[0], k_txt=txt[1], v_txt=txt[2],
+                               q_txt_weight=attn.norm_added_q.weight, k_txt_weight=attn.norm_added_k.weight,
+                               eps_q_txt=attn.norm_added_q.eps, eps_k_txt=attn.norm_added_k.eps,
+                               rounding="each", tier=tier)
+    except ValueError:  # a forced tier that cannot run, a projection of another shape: checked before computing
         return None
+    if tier == "torch":
+        module = module if module is not None else sys.modules[_QWEN]
+        img_freqs, txt_freqs = image_rotary_emb
+
+        def rotate(joint: torch.Tensor) -> torch.Tensor:  # diffusers' four calls and its concat
+            return torch.cat([module.apply_rotary_emb_qwen(joint[:, :s_txt], txt_freqs, use_real=False),
+                              module.apply_rotary_emb_qwen(joint[:, s_txt:], img_freqs, use_real=False)], dim=1)
+
+        q, k = rotate(q), rotate(k)
+    return q, k, v
 
 
 def _diffusers_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any, module: Any) -> tuple:
@@ -170,7 +201,7 @@ def _processor(self, attn, hidden_states, encoder_hidden_states=None, encoder_hi
     img = [linear(p, hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
     txt = [linear(p, encoder_hidden_states).unflatten(-1, (-1, head_dim))
            for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)]
-    qkv = _fused_qkv(attn, img, txt, image_rotary_emb)
+    qkv = _fused_qkv(attn, img, txt, image_rotary_emb, module)
     if qkv is None:
         qkv = _diffusers_qkv(attn, img, txt, image_rotary_emb, module)
     joint_query, joint_key, joint_value = qkv
