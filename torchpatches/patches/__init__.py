@@ -5,7 +5,7 @@
 #: collectives.
 PATCH_MODULES = (
     "inductor_realize", "inductor_opaque_strides", "inductor_fallback_log", "inductor_cpp_indirect_assert",
-    "aot_compile_builtins", "compile_warnings", "rope",
+    "inductor_pattern_dtypes", "aot_compile_builtins", "compile_warnings", "rope",
     "adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "rope_tables",
     "sd3_qk_norm", "sd3_block",
     "wan_block", "wan_qk_norm_rope",
