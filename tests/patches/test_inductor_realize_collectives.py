@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import pytest
 import torch
@@ -27,19 +27,6 @@ import torchpatches
 pytestmark = [pytest.mark.inductor_realize, pytest.mark.slow]
 
 NAME = "inductor_realize"
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[Any]:
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # pragma: no cover - another test left a default group
-        pytest.skip("a default process group exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def _rms_norm(r: torch.Tensor) -> torch.Tensor:
