@@ -180,13 +180,14 @@ def test_applied_reverted_and_reapplied_by_identity(
     assert patched is not original and patched.__torchpatches_target__ == TARGET
     torchpatches.apply(NAME)  # idempotent: the same replacement stays
     assert ir.StorageBox.should_realize_on_reuse is patched
-    assert _cache_key.key_component() == (TOKEN,)
+    # other applied Inductor patches (torch 2.11: inductor_opaque_strides, ...) hold tokens of their own
+    assert TOKEN in _cache_key.key_component()
     assert TOKEN not in compiler_config.cache_key_tag  # the user's tag is theirs alone
     torchpatches.revert(NAME)
     try:
         assert torchpatches.status()[NAME].state.value == "disabled"
         assert ir.StorageBox.should_realize_on_reuse is original
-        assert _cache_key.key_component() == ()
+        assert not any(token.startswith(f"torchpatches:{NAME}@") for token in _cache_key.key_component())
     finally:
         torchpatches.apply(NAME)
     assert ir.StorageBox.should_realize_on_reuse is not original
@@ -475,7 +476,7 @@ def test_cache_key_in_process(tmp_path: Path, only_this_patch: Path) -> None:
             assert (buffers, _served_from_cache(delta), delta["fx_miss"]) == (original_buffers, False, 1)
 
             torchpatches.apply(NAME)
-            assert compiler_config.cache_key_tag == "user-tag" and _cache_key.key_component() == (TOKEN,)
+            assert compiler_config.cache_key_tag == "user-tag" and TOKEN in _cache_key.key_component()
             buffers, delta, patched_code = _cached_compile(fn, args)
             assert (buffers, _served_from_cache(delta), delta["fx_miss"]) == (patched_buffers, False, 1)
 
