@@ -456,6 +456,26 @@ def cuda_kernel(module: Any, kernel: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def launch_config(**config: int) -> Iterator[None]:
+    """The fused kernels' launch configuration for the block: ``num_warps`` and ``ROWS`` (rows per program) of the
+    modulate kernels, ``num_warps`` of the rms_norm_rope kernel; what is not given stays the package's. Binds
+    wrappers of the ops modules' heuristics (``pick_config``, ``pick_num_warps``) and clears the modulate kernels'
+    per-form constants on entry and exit: the package reads nothing per call for this."""
+    from torchpatches.ops import _modulate_triton, _rms_norm_rope_triton
+
+    pick_config, pick_num_warps = _modulate_triton.pick_config, _rms_norm_rope_triton.pick_num_warps
+    _modulate_triton.pick_config = lambda block_d, interpreted: {**pick_config(block_d, interpreted), **config}
+    if "num_warps" in config:
+        _rms_norm_rope_triton.pick_num_warps = lambda elements, interpreted: config["num_warps"]
+    _modulate_triton._launch_constants.cache_clear()
+    try:
+        yield
+    finally:
+        _modulate_triton.pick_config, _rms_norm_rope_triton.pick_num_warps = pick_config, pick_num_warps
+        _modulate_triton._launch_constants.cache_clear()
+
+
+@contextlib.contextmanager
 def stubbed_launches() -> Iterator[None]:
     """Every torchpatches kernel launch is a no-op: each ops module that binds ``_launch.launch`` at import (as
     ``launch_kernel``) gets a no-op in its place. The modules are found, not listed: a list missed two of them."""

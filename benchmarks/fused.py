@@ -306,7 +306,7 @@ def gelu_form(xin: torch.Tensor, w: torch.Tensor, b: torch.Tensor, fused: torch.
 def sweep(device: torch.device, gbps: float) -> List[Dict[str, Any]]:
     """Launch-configuration sweep of the modulate kernels at FLUX widths (GPU us and % of the copy rate), with
     the kernels' cast rounding and with their former integer rounding."""
-    from torchpatches.ops import _modulate_triton, modulate
+    from torchpatches.ops import modulate
 
     rows = []
     for D in (3072, 6144):
@@ -315,14 +315,11 @@ def sweep(device: torch.device, gbps: float) -> List[Dict[str, Any]]:
         v = rnd(1, 3 * D, device=device, scale=0.5)
         sc, sh, g = v[:, :D], v[:, D:2 * D], v[:, 2 * D:]
         for rounding, warps, rows_per_prog in itertools.product(("cast", "int"), (2, 4, 8, 16), (1, 2)):
-            _modulate_triton.CONFIG_OVERRIDE.update(num_warps=warps, ROWS=rows_per_prog)
-            try:
-                with (_bench.integer_rounding() if rounding == "int" else contextlib.nullcontext()):
-                    lm = graph_us(lambda: modulate.layer_norm_modulate(x, sc, sh), device)
-                    rm = graph_us(lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, sc, sh), device)
-                    gr = graph_us(lambda: modulate.gate_residual(x, g, y), device)
-            finally:
-                _modulate_triton.CONFIG_OVERRIDE.clear()
+            with _bench.launch_config(num_warps=warps, ROWS=rows_per_prog), \
+                    (_bench.integer_rounding() if rounding == "int" else contextlib.nullcontext()):
+                lm = graph_us(lambda: modulate.layer_norm_modulate(x, sc, sh), device)
+                rm = graph_us(lambda: modulate.gate_residual_layer_norm_modulate(x, g, y, sc, sh), device)
+                gr = graph_us(lambda: modulate.gate_residual(x, g, y), device)
             row = dict(D=D, rounding=rounding, rows=rows_per_prog, num_warps=warps, ln_mod_us=lm,
                        ln_mod_pct=100 * 2 * S * D * 2 / (gbps * 1e3) / lm,
                        res_ln_mod_us=rm, res_ln_mod_pct=100 * 4 * S * D * 2 / (gbps * 1e3) / rm,

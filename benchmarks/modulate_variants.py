@@ -82,15 +82,12 @@ def build(name: str, workdir: Path) -> Any:
 @contextlib.contextmanager
 def kernel(compiled: Any, warps: Optional[int] = None, rows: Optional[int] = None) -> Iterator[None]:
     """``compiled`` as the op's CUDA kernel (and a launch configuration, else the package's) for the block."""
-    from _bench import cuda_kernel
+    from _bench import cuda_kernel, launch_config
     from torchpatches.ops import _modulate_triton
 
-    _modulate_triton.CONFIG_OVERRIDE.update({k: v for k, v in (("num_warps", warps), ("ROWS", rows)) if v})
-    try:
-        with cuda_kernel(_modulate_triton, compiled):
-            yield
-    finally:
-        _modulate_triton.CONFIG_OVERRIDE.clear()
+    config = {k: v for k, v in (("num_warps", warps), ("ROWS", rows)) if v}
+    with launch_config(**config), cuda_kernel(_modulate_triton, compiled):
+        yield
 
 
 @contextlib.contextmanager

@@ -134,21 +134,31 @@ def test_outputs_are_fully_written() -> None:
 
 
 @needs_triton
-def test_launch_constants_cached_per_form_and_a_config_override_read_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton tier builds a form's constexprs once; a benchmark's ``CONFIG_OVERRIDE`` still applies at once
-    (never cached), and two rows per program give the same output."""
+def test_launch_constants_cached_per_form_and_a_bound_heuristic_applies_after_cache_clear(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton tier builds a form's constexprs once (``pick_config`` is not called again); a benchmark's own
+    ``pick_config`` applies after ``_launch_constants.cache_clear()`` (``benchmarks/_bench.launch_config``), and two
+    rows per program give the same output."""
     from torchpatches.ops import _modulate_triton
 
     x, scale, shift = torch.randn(2, 5, 16), torch.randn(2, 16), torch.randn(2, 16)
-    seen = []
-    real = _modulate_triton.launch_kernel
+    seen, picks = [], []
+    real, real_pick = _modulate_triton.launch_kernel, _modulate_triton.pick_config
     monkeypatch.setattr(_modulate_triton, "launch_kernel",
                         lambda kernel, grid, args, constexprs: (seen.append((grid, dict(constexprs))),
                                                                 real(kernel, grid, args, constexprs)))
+    monkeypatch.setattr(_modulate_triton, "pick_config",
+                        lambda block_d, interpreted: (picks.append(block_d), real_pick(block_d, interpreted))[1])
+    _modulate_triton._launch_constants.cache_clear()
     one = modulate.layer_norm_modulate(x, scale, shift, tier="triton")
     again = modulate.layer_norm_modulate(x, scale, shift, tier="triton")
-    monkeypatch.setitem(_modulate_triton.CONFIG_OVERRIDE, "ROWS", 2)
-    two = modulate.layer_norm_modulate(x, scale, shift, tier="triton")
+    assert picks == [16]  # once per form
+    monkeypatch.setattr(_modulate_triton, "pick_config", lambda block_d, interpreted: dict(num_warps=1, ROWS=2))
+    _modulate_triton._launch_constants.cache_clear()
+    try:
+        two = modulate.layer_norm_modulate(x, scale, shift, tier="triton")
+    finally:
+        _modulate_triton._launch_constants.cache_clear()
     assert [g for g, _ in seen] == [(10,), (10,), (5,)]
     assert [c["ROWS"] for _, c in seen] == [1, 1, 2]
     assert torch.equal(one, again) and torch.equal(one, two)

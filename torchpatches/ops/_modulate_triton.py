@@ -80,20 +80,17 @@ kernel_for = for_devices(_modulate_kernel)
 _interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 
-#: Benchmarks may override the launch heuristic: {"num_warps": int, "ROWS": int}.
-CONFIG_OVERRIDE: dict[str, Any] = {}
-
-
 def pick_config(block_d: int, interpreted: bool) -> dict[str, int]:
     """Launch parameters. Measured on an H100 (benchmarks/NOTES-fused.md, run 2; again with the cast
     rounding, docs/fused.md "issue 17, round 4"): one row per program with 4 warps for 4096-wide blocks and
-    8 warps for 8192 are the fastest or within 1% of it."""
+    8 warps for 8192 are the fastest or within 1% of it.
+
+    Read once per form (:func:`_launch_constants`). A benchmark sweeping configurations binds its own function
+    here and calls ``_launch_constants.cache_clear()`` before and after (``benchmarks/_bench.launch_config``):
+    nothing is read per call."""
     if interpreted:
-        cfg = dict(num_warps=1, ROWS=1)
-    else:
-        cfg = dict(num_warps=4 if block_d <= 4096 else 8, ROWS=1)
-    cfg.update(CONFIG_OVERRIDE)
-    return cfg
+        return dict(num_warps=1, ROWS=1)
+    return dict(num_warps=4 if block_d <= 4096 else 8, ROWS=1)
 
 
 def _rows(t: Optional[torch.Tensor]) -> tuple[int, int]:
@@ -145,8 +142,7 @@ def launch(
     has_norm = n_out is not None
     cuda = residual.device.type == "cuda"
     key = (next_pow2(D), residual.dtype, cuda, has_gate, has_res, has_norm, bool(clip), bool(once), bool(affine))
-    # A benchmark's CONFIG_OVERRIDE is read on every call (never cached).
-    constexprs = _launch_constants.__wrapped__(*key) if CONFIG_OVERRIDE else _launch_constants(*key)
+    constexprs = _launch_constants(*key)
     dummy = residual
     h = h_out if h_out is not None else n_out
     o = n_out if n_out is not None else h_out
