@@ -12,7 +12,10 @@ import torch
 import torchpatches
 from torchpatches.patches import aot_compile_builtins
 
+from _torch_fixes import applied, assert_gated_by_fingerprint
+
 NAME = "aot_compile_builtins"
+MODULE = "torch._dynamo.convert_frame"  # the target's module: the patch is pending until it loads
 
 
 def _reads_a_builtin(x: torch.Tensor) -> Any:
@@ -32,18 +35,12 @@ def _round_trip(path: Path) -> Any:
     return builtin
 
 
-def _applies() -> bool:
-    import torch._dynamo.convert_frame  # noqa: F401 - the target's module: the patch is pending until it loads
-
-    return torchpatches.status()[NAME].state.value == "applied"
-
-
 def test_round_trip_without_f_globals(tmp_path: Path) -> None:
     assert _round_trip(tmp_path / "f.bin") is len
 
 
 def test_fails_without_the_patch_where_it_applies(tmp_path: Path) -> None:
-    if not _applies():
+    if not applied(NAME, MODULE):
         pytest.skip(f"{NAME} is not applied on torch {torch.__version__} (the fix is upstream)")
     with torchpatches.disabled(NAME), pytest.raises(RuntimeError, match="Missing required external references"):
         _round_trip(tmp_path / "f.bin")
@@ -51,13 +48,6 @@ def test_fails_without_the_patch_where_it_applies(tmp_path: Path) -> None:
 
 def test_applies_exactly_on_the_verified_source() -> None:
     import torch._dynamo.convert_frame as convert_frame
-    from torchpatches._gates import fingerprint
 
-    with torchpatches.disabled(NAME):
-        original = fingerprint(convert_frame.GraphCaptureOutput.get_runtime_env)
-    applied = _applies()
-    assert applied == (original == aot_compile_builtins.FINGERPRINT_TORCH_2_11_0), torchpatches.status()[NAME]
-    if torch.__version__.startswith("2.11."):
-        assert applied
-    else:
-        assert "fingerprint" in torchpatches.status()[NAME].reason
+    assert_gated_by_fingerprint(NAME, MODULE, lambda: convert_frame.GraphCaptureOutput.get_runtime_env,
+                                aot_compile_builtins.FINGERPRINT_TORCH_2_11_0)

@@ -10,7 +10,10 @@ import torch.nn.functional as F
 import torchpatches
 from torchpatches.patches import inductor_cpp_indirect_assert
 
+from _torch_fixes import applied, assert_gated_by_fingerprint
+
 NAME = "inductor_cpp_indirect_assert"
+MODULE = "torch._inductor.codegen.cpp"  # the target's module: pending until Inductor loads it
 
 
 def _padded_gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -26,18 +29,12 @@ def _compile_and_run() -> None:
     assert torch.equal(out, _padded_gather(t, idx))
 
 
-def _applies() -> bool:
-    import torch._inductor.codegen.cpp  # noqa: F401 - the target's module: pending until Inductor loads it
-
-    return torchpatches.status()[NAME].state.value == "applied"
-
-
 def test_padded_gather_compiles() -> None:
     _compile_and_run()
 
 
 def test_does_not_compile_without_the_patch_where_it_applies() -> None:
-    if not _applies():
+    if not applied(NAME, MODULE):
         pytest.skip(f"{NAME} is not applied on torch {torch.__version__} (the fix is upstream)")
     with torchpatches.disabled(NAME), pytest.raises(Exception, match="VecMask"):
         _compile_and_run()
@@ -45,10 +42,6 @@ def test_does_not_compile_without_the_patch_where_it_applies() -> None:
 
 def test_applies_exactly_on_the_verified_source() -> None:
     import torch._inductor.codegen.cpp as cpp
-    from torchpatches._gates import fingerprint
 
-    with torchpatches.disabled(NAME):
-        verified = fingerprint(cpp.CppVecKernel.indirect_assert) == inductor_cpp_indirect_assert.FINGERPRINT_TORCH_2_11_0
-    assert _applies() == verified, torchpatches.status()[NAME]
-    if torch.__version__.startswith("2.11."):
-        assert _applies()
+    assert_gated_by_fingerprint(NAME, MODULE, lambda: cpp.CppVecKernel.indirect_assert,
+                                inductor_cpp_indirect_assert.FINGERPRINT_TORCH_2_11_0)

@@ -13,6 +13,8 @@ import torch
 
 import torchpatches
 
+from _torch_fixes import skip_unless_applied
+
 NAME = "inductor_fallback_log"
 _OPS = itertools.count()
 
@@ -48,10 +50,7 @@ def _compile(program: Callable[[torch.Tensor], torch.Tensor]) -> None:
 
 @pytest.fixture
 def applied() -> Iterator[None]:
-    import torch._inductor.graph  # noqa: F401 - the target's module loads with Inductor
-
-    if torchpatches.status()[NAME].state.value != "applied":
-        pytest.skip(f"{NAME} does not apply on torch {torch.__version__}: {torchpatches.status()[NAME].reason}")
+    skip_unless_applied(NAME, "torch._inductor.graph")  # its target's module (exc) loads with Inductor's graph
     yield
 
 

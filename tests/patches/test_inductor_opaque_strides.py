@@ -13,7 +13,10 @@ import torch
 import torchpatches
 from torchpatches.patches import inductor_opaque_strides
 
+from _torch_fixes import applied, assert_gated_by_fingerprint
+
 NAME = "inductor_opaque_strides"
+MODULE = "torch._inductor.lowering"  # the target's module: pending until Inductor loads
 opaque_object = pytest.importorskip("torch._library.opaque_object")
 OpaqueBase = pytest.importorskip("torch._opaque_base").OpaqueBase
 
@@ -78,18 +81,12 @@ def _compile_and_run() -> torch.Tensor:
     return out
 
 
-def _applies() -> bool:
-    import torch._inductor.lowering  # noqa: F401 - the target's module: pending until Inductor loads
-
-    return torchpatches.status()[NAME].state.value == "applied"
-
-
 def test_opaque_argument_under_fixed_stride_order() -> None:
     _compile_and_run()
 
 
 def test_fails_to_lower_without_the_patch_where_it_applies() -> None:
-    if not _applies():
+    if not applied(NAME, MODULE):
         pytest.skip(f"{NAME} is not applied on torch {torch.__version__} (the fix is upstream)")
     with torchpatches.disabled(NAME), pytest.raises(Exception, match="stride"):
         _compile_and_run()
@@ -98,18 +95,13 @@ def test_fails_to_lower_without_the_patch_where_it_applies() -> None:
 def test_applies_exactly_on_the_verified_source() -> None:
     import torch._inductor.graph as graph
     import torch._inductor.lowering as lowering
-    from torchpatches._gates import fingerprint
 
     with torchpatches.disabled(NAME):
         original = lowering.constrain_to_fx_strides
         assert graph.constrain_to_fx_strides is original
-        verified = fingerprint(original) == inductor_opaque_strides.FINGERPRINT_TORCH_2_11_0
-    assert _applies() == verified, torchpatches.status()[NAME]
-    if _applies():  # graph.py's own name for it is rebound, and restored by identity
+    assert_gated_by_fingerprint(NAME, MODULE, lambda: lowering.constrain_to_fx_strides,
+                                inductor_opaque_strides.FINGERPRINT_TORCH_2_11_0)
+    if applied(NAME, MODULE):  # graph.py's own name for it is rebound, and restored by identity
         assert graph.constrain_to_fx_strides is lowering.constrain_to_fx_strides is not original
         with torchpatches.disabled(NAME):
             assert graph.constrain_to_fx_strides is original
-    else:
-        assert "fingerprint" in torchpatches.status()[NAME].reason
-    if torch.__version__.startswith("2.11."):
-        assert _applies()

@@ -11,7 +11,10 @@ import torch
 
 import torchpatches
 
+from _torch_fixes import skip_unless_applied
+
 NAME = "inductor_pattern_dtypes"
+MODULE = "torch._inductor.pattern_matcher"  # the target's module loads with Inductor
 _OPS = itertools.count()
 SCALE_DTYPES = [torch.float32, torch.complex64] + ([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else [])
 
@@ -60,16 +63,9 @@ def _replacements(scale_dtype: torch.dtype) -> Tuple[Optional[int], float]:
     return replace.count, float(out[0, 0])
 
 
-def _applies() -> bool:
-    import torch._inductor.pattern_matcher  # noqa: F401 - the target's module loads with Inductor
-
-    return torchpatches.status()[NAME].state.value == "applied"
-
-
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=str)
 def test_custom_op_pattern_fires_for_every_dtype(scale_dtype: torch.dtype) -> None:
-    if not _applies():
-        pytest.skip(f"{NAME} does not apply on torch {torch.__version__}: {torchpatches.status()[NAME].reason}")
+    skip_unless_applied(NAME, MODULE)
     assert _replacements(scale_dtype) == (1, 4.0)
 
 
@@ -86,8 +82,7 @@ def test_builtin_anchors_keep_the_skip() -> None:
     import torch._inductor.lowering as lowering
     import torch._inductor.pattern_matcher as pm
 
-    if not _applies():
-        pytest.skip(f"{NAME} does not apply on torch {torch.__version__}")
+    skip_unless_applied(NAME, MODULE)
     foo, _ = _ops()
     graph = torch.fx.Graph()
     x, s = graph.placeholder("x"), graph.placeholder("s")
