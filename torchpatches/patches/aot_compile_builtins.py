@@ -61,8 +61,6 @@ def make_replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
                 env.used_globals[ref] = getattr(builtins, ref)
         return env
 
-    get_runtime_env.__qualname__ = "GraphCaptureOutput.get_runtime_env"
-    get_runtime_env.__module__ = __name__
     return get_runtime_env
 
 

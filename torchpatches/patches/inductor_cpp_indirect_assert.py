@@ -53,7 +53,6 @@ def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
             mask = _BroadcastMask(f"{self._get_mask_type(var.dtype)}::from({mask})")
         return original(self, var, lower, upper, mask)
 
-    indirect_assert.__module__ = __name__
     return indirect_assert
 
 

@@ -81,7 +81,7 @@ PATCH = Patch(
     summary="torch 2.11/2.12 Inductor: the implicit-fallback INFO log line is formatted only when emitted",
     targets=(
         Target(f"{_EXC}:OperatorIssue.operator_str", make_replacement=make_replacement,
-               fingerprints=frozenset({"d7c1758d4f17e93d"})),  # torch 2.11.0, 2.12.1 (and 2.13.0: see verifies)
+               fingerprints=frozenset({"d7c1758d4f17e93d"})),  # torch 2.11.0, 2.12.1 (and 2.13.0: see requires)
     ),
     # 2.13 has the same operator_str but formats it lazily at the call site itself (its call_function never calls
     # it). Not ``verifies`` on call_function: torch._inductor.exc loads while Inductor's modules are half-run, and

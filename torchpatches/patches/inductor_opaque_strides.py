@@ -66,7 +66,6 @@ def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
         kwargs = {k: apply_constraint(v, fx_node.kwargs[k]) for k, v in kwargs.items()}
         return args, kwargs
 
-    constrain_to_fx_strides.__module__ = __name__
     return constrain_to_fx_strides
 
 

@@ -47,7 +47,6 @@ def make_replacement(original: Callable[..., bool]) -> Callable[..., bool]:
             return False
         return original(node, allow_cpu_inputs=allow_cpu_inputs)
 
-    fallback_node_due_to_unsupported_type.__module__ = __name__
     return fallback_node_due_to_unsupported_type
 
 
