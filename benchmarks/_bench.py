@@ -25,6 +25,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the tests' harness
+
 __all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
            "save_json", "compile_once", "command_line", "Clocks", "integer_rounding", "cuda_kernel", "host_us_per_call",
            "stubbed_launches", "GcPauses"]
@@ -375,7 +377,7 @@ def checked_entries() -> Iterator[None]:
     """The fusion patterns' op calls through the ops' public, checked entries (what they called before issue 17,
     round 5), for an A/B of the ``prechecked`` entries against them in one process: each ``prechecked`` is replaced
     by a function that calls the public entry with the same arguments."""
-    from torchpatches.ops import lora, modulate, qk_norm_rope, slices
+    from torchpatches.ops import _lora as lora, _modulate as modulate, _qk_norm_rope as qk_norm_rope, _slices as slices
 
     def modulate_checked(residual, gate, y, scale, shift, eps, *, clip=False, once=False):
         rounding = "once" if once else "each"
@@ -426,7 +428,7 @@ def integer_rounding() -> Iterator[None]:
 
     import triton
 
-    from torchpatches.ops import _triton_common
+    from torchpatches.ops._runtime import triton_common as _triton_common
 
     helper = triton.jit(_triton_common.ROUND_TO_PY)
     kernels: Dict[Any, Any] = {}

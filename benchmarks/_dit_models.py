@@ -147,6 +147,6 @@ def with_layers(spec: Spec, config: Dict[str, Any], layers: Tuple[int, ...]) -> 
 
 def tiny_config_name(name: str) -> str:
     """The harness's tiny config for a model: ``<name>-fused`` where a fused pattern added one, else ``<name>``."""
-    from torchpatches._harness.models import CONFIGS
+    from harness import CONFIGS
 
     return f"{name}-fused" if f"{name}-fused" in CONFIGS else name

@@ -39,8 +39,8 @@ import torch  # noqa: E402
 
 import torchpatches  # noqa: E402
 from torchpatches import testing  # noqa: E402
-from torchpatches._harness import count_kernels  # noqa: E402
-from torchpatches.ops._tiers import force_tier  # noqa: E402
+from harness import count_kernels  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "patches"))
 from _fused_models import FUSED, regional_compile_run  # noqa: E402

@@ -93,7 +93,7 @@ def _bodies(patches: Dict[str, types.ModuleType]) -> Dict[types.CodeType, str]:
     Followed through a shim around ``fused()``'s replacement (QwenImage's processor keeps the original's parameter
     list and holds the replacement in a tuple): the shared replacement code of ``_fused_common`` is walked through,
     never counted as one pattern's body."""
-    from torchpatches._slot import MARK_ORIGINAL, MARK_PATCH
+    from torchpatches._core.slot import MARK_ORIGINAL, MARK_PATCH
     from torchpatches.patches import _fused_common
 
     def closed_over(fn: Any, original: Any, depth: int) -> Iterator[Any]:
@@ -311,8 +311,8 @@ def load(name: str, args: argparse.Namespace, device: torch.device, dtype: torch
          ) -> Tuple[torch.nn.Module, Dict[str, Any], Spec, Dict[str, Any]]:
     spec = SPECS[name]
     if args.tiny:
-        from torchpatches._harness import tiny_inputs
-        from torchpatches._harness.models import CONFIGS
+        from harness import tiny_inputs
+        from harness import CONFIGS
 
         tiny = tiny_config_name(name)
         cls_name, config = CONFIGS[tiny]
@@ -665,7 +665,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                "after_compile": args.after_compile, "models": {}}
     forced = contextlib.nullcontext()
     if args.tiny:  # CPU: the patterns run their fused path through the PyTorch tier
-        from torchpatches.ops._tiers import force_tier
+        from torchpatches.ops import force_tier
 
         forced = force_tier("torch")
     if args.after_compile:

@@ -115,7 +115,7 @@ def variants(tp: Any, model: str, device: torch.device, label: str, fn: Callable
     with tp.only():
         ref = poisoned(device, fn)
     known = set(tp.status())
-    from torchpatches.ops import modulate, qk_norm_rope
+    from torchpatches.ops import _modulate as modulate, _qk_norm_rope as qk_norm_rope
 
     rows = []
     for names in sets:
@@ -276,8 +276,8 @@ def sdpa_probe(tp: Any, shape: Dict[str, Any], device: torch.device) -> Dict[str
     """fp32, PyTorch tier forced (the failing tests' setting): where do diffusers and the patch part?"""
     import torch.nn.functional as F
     from diffusers.models.transformers import transformer_qwenimage as qwen
-    from torchpatches.ops._tiers import force_tier
-    from torchpatches.ops.qk_norm_rope import _rope_torch
+    from torchpatches.ops import force_tier
+    from torchpatches.ops._qk_norm_rope import _rope_torch
     from torchpatches.patches._qwenimage_tables import rope_tables
 
     s = qwen_setup(shape, device, torch.float32)
@@ -366,7 +366,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     import torchpatches as tp
-    from torchpatches.ops._tiers import force_tier
+    from torchpatches.ops import force_tier
 
     device = torch.device("cpu" if args.tiny else "cuda")
     shapes = TINY if args.tiny else SHAPES

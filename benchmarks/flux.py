@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from torchpatches import _harness as harness  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the tests' harness
+import harness  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _bench beside this file
 import _bench  # noqa: E402
@@ -83,7 +84,7 @@ def bench_rope_micro(device: torch.device, tokens: int, config: Dict[str, Any], 
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
     import torchpatches
-    from torchpatches.ops.rope import apply_rope_qk
+    from torchpatches.ops._rope import apply_rope_qk
     from torchpatches.patches import rope as rope_patch
 
     heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
@@ -215,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     results["build_s"] = time.perf_counter() - t0
     params_b = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"built model in {results['build_s']:.1f} s; {params_b:.2f} B params", flush=True)
-    from torchpatches.ops import rope as rope_op
+    from torchpatches.ops import _rope as rope_op
 
     results["rope_tiers"] = {name: list(v) for name, v in rope_op.describe_tiers(device.type).items()}
     reference: Optional[torch.Tensor] = None

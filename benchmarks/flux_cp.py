@@ -91,7 +91,7 @@ def cpu_stand_ins(device: torch.device) -> Iterator[None]:
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "patches"))
     from _context_parallel import _cpu_flash_kernel, _one_device
 
-    from torchpatches.ops._tiers import force_tier
+    from torchpatches.ops import force_tier
 
     kernel = _cpu_flash_kernel()
     with _one_device(), force_tier("torch"):
@@ -101,7 +101,7 @@ def cpu_stand_ins(device: torch.device) -> Iterator[None]:
 
 def model_config(name: str, tiny: bool) -> Dict[str, Any]:
     if name not in CONFIGS:
-        from torchpatches._harness.models import CONFIGS as HARNESS
+        from harness import CONFIGS as HARNESS
 
         return dict(HARNESS[f"{name}-fused"][1]) if tiny else dict(SPECS[name].config)
     return (TINY if tiny else CONFIGS)[name]
@@ -114,7 +114,7 @@ def model_inputs(name: str, config: Dict[str, Any], tiny: bool, device: torch.de
         side, text = (64, 8) if tiny else (1024, 512)
         return inputs(name, config, side, text, device, dtype)
     if tiny:
-        from torchpatches._harness import tiny_inputs
+        from harness import tiny_inputs
 
         return tiny_inputs(f"{name}-fused", dtype=dtype, device=device)
     generator = torch.Generator(device="cpu").manual_seed(1)
@@ -197,7 +197,7 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
 
 def launch_fallbacks() -> Dict[str, int]:
     """Triton launches the fused ops handed to ``kernel[grid]`` instead of the cached launcher, per kernel (so far)."""
-    from torchpatches.ops import _launch
+    from torchpatches.ops._runtime import launch as _launch
 
     return {site.kernel.fn.__name__: site.fallbacks for site in list(_launch._SITES.values())
             if getattr(site, "fallbacks", 0)}

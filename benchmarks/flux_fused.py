@@ -201,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     forced = contextlib.nullcontext()
     if args.tiny:  # CPU: let the patches run their fused path through the PyTorch tier
-        from torchpatches.ops._tiers import force_tier
+        from torchpatches.ops import force_tier
 
         forced = force_tier("torch")
     if args.after_compile:

@@ -92,8 +92,8 @@ LAYERS = [("to_q/k/v, to_out.0", 4096, 3072, 3072, False), ("ff.net.0.proj (+GEL
 
 
 def layers(args: argparse.Namespace) -> Dict[str, Any]:
-    """Each shape once: ``ops.lora.lora_linear`` epilogue tier vs its torch tier (peft's and diffusers' op order)."""
-    from torchpatches.ops.lora import lora_linear
+    """Each shape once: ``ops.lora_linear`` epilogue tier vs its torch tier (peft's and diffusers' op order)."""
+    from torchpatches.ops._lora import lora_linear
 
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype, scale = (torch.float32, 16) if args.tiny else (torch.bfloat16, 1)
@@ -269,7 +269,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     forced = contextlib.nullcontext()
     if args.tiny:  # CPU: let the patches run their fused path (PyTorch tiers; lora's addmm epilogue)
-        from torchpatches.ops._tiers import force_tier
+        from torchpatches.ops import force_tier
 
         forced = force_tier("torch")
     t0 = time.perf_counter()

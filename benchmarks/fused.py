@@ -140,8 +140,14 @@ def cases(shape: Dict[str, int], device: torch.device) -> List[Dict[str, Any]]:
     from diffusers.models import embeddings
     from diffusers.models.transformers.transformer_flux2 import Flux2SwiGLU
 
-    from torchpatches.ops import lse_merge, modulate, qk_norm_rope, slices, swiglu
-    from torchpatches.ops.linear_gelu import linear_gelu_tanh
+    from torchpatches.ops import (
+        _lse_merge as lse_merge,
+        _modulate as modulate,
+        _qk_norm_rope as qk_norm_rope,
+        _slices as slices,
+        _swiglu as swiglu,
+    )
+    from torchpatches.ops._linear_gelu import linear_gelu_tanh
 
     def apply_rotary_emb(*a: Any, **k: Any) -> torch.Tensor:  # looked up per call: unpatched under disabled()
         return embeddings.apply_rotary_emb(*a, **k)
@@ -306,7 +312,7 @@ def gelu_form(xin: torch.Tensor, w: torch.Tensor, b: torch.Tensor, fused: torch.
 def sweep(device: torch.device, gbps: float) -> List[Dict[str, Any]]:
     """Launch-configuration sweep of the modulate kernels at FLUX widths (GPU us and % of the copy rate), with
     the kernels' cast rounding and with their former integer rounding."""
-    from torchpatches.ops import modulate
+    from torchpatches.ops import _modulate as modulate
 
     rows = []
     for D in (3072, 6144):

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' harness
 
 #: Calls per FLUX.1-dev step (19 double blocks, 38 single blocks, one norm_out), by what is called.
 STEP_CALLS = {
@@ -131,7 +132,7 @@ def _guard_cases(model: torch.nn.Module) -> Dict[str, Callable[[], Any]]:
 
 def _op_cases(D: int, heads: int, head_dim: int) -> Tuple[Dict[str, Callable[[], Any]], Callable[[], None]]:
     """Each op's public entry with its body (``_impl``) returning at once; and the function restoring them."""
-    from torchpatches.ops import modulate, qk_norm_rope, slices
+    from torchpatches.ops import _modulate as modulate, _qk_norm_rope as qk_norm_rope, _slices as slices
 
     g = torch.Generator().manual_seed(0)
     x, y, vec = torch.randn(1, 16, D, generator=g), torch.randn(1, 16, D, generator=g), torch.randn(1, D, generator=g)
@@ -168,8 +169,8 @@ def _op_cases(D: int, heads: int, head_dim: int) -> Tuple[Dict[str, Callable[[],
 
 def measure(number: int) -> List[Dict[str, Any]]:
     import torchpatches
-    from torchpatches._harness import build_model
-    from torchpatches.ops._tiers import force_tier
+    from harness import build_model
+    from torchpatches.ops import force_tier
 
     torchpatches.apply(["adaln", "qk_norm_rope", "gate_residual", "gelu_gemm"])
     model = build_model("flux1-fused")

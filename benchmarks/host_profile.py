@@ -15,7 +15,7 @@ call, so its total exceeds the unprofiled host time; the split between groups is
     python benchmarks/host_profile.py --models flux1 --lora scale --variants all,-lora_scale  # with peft adapters
 
 ``--stub-kernels`` (CPU, no GPU): the tiny configs in bf16 with the Triton tier forced and every kernel launch
-replaced by a no-op, so the fused path runs the same Python as on a GPU (minus ``ops._launch``'s cached launch
+replaced by a no-op, so the fused path runs the same Python as on a GPU (minus ``ops._runtime.launch``'s cached launch
 and triton's launcher); its function calls per step are a host-independent measure of that Python.
 
 ``--graphed``: the step through ``torchpatches.cuda_graphs.graphed`` (one wrapper; each variant captures its graph
@@ -134,7 +134,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny and not args.stub_kernels else torch.bfloat16
     results: Dict[str, Any] = {"versions": _bench.versions(), "command": _bench.command_line(argv), "models": {}}
-    from torchpatches.ops._tiers import force_tier
+    from torchpatches.ops import force_tier
 
     tier = "triton" if args.stub_kernels else "torch" if args.tiny else None
     with force_tier(tier), _bench.stubbed_launches() if args.stub_kernels else contextlib.nullcontext():

@@ -1,4 +1,4 @@
-"""Host cost of one Triton launch: ``kernel[grid](...)`` against ``torchpatches.ops._launch.launch``.
+"""Host cost of one Triton launch: ``kernel[grid](...)`` against ``torchpatches.ops._runtime.launch.launch``.
 
 For each fused-op kernel (modulate, swiglu, rows, rope, qk_norm_rope; imported from ``torchpatches.ops``,
 never copied) the op's own launch function is run once with a recorder in place of ``kernel[grid]``, which
@@ -43,7 +43,7 @@ def _recording(log: List[tuple]) -> Iterator[None]:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from torchpatches.ops import _launch
+    from torchpatches.ops._runtime import launch as _launch
 
     def getitem(self: Any, grid: Any) -> Callable[..., None]:
         return lambda *args, **kw: log.append((self, grid, args, kw))
@@ -158,7 +158,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def check_case(name: str, device: str, dtype: torch.dtype) -> Dict[str, Any]:
     """Bit-identity of ``launch`` against ``kernel[grid]`` over sizes and offsets (aligned, odd, aligned)."""
-    from torchpatches.ops import _launch
+    from torchpatches.ops._runtime import launch as _launch
 
     row: Dict[str, Any] = {"case": name, "dtype": str(dtype).replace("torch.", ""), "checks": 0, "mismatches": []}
     kernel = None
@@ -206,7 +206,7 @@ def _python_only(site: Any, fn: Callable[[], None], batch: int, repeats: int) ->
 
 
 def time_case(name: str, device: str, dtype: torch.dtype, batch: int, repeats: int) -> Dict[str, Any]:
-    from torchpatches.ops import _launch
+    from torchpatches.ops._runtime import launch as _launch
 
     row: Dict[str, Any] = {"case": name, "size": BENCH_SIZE[name]}
     try:
@@ -245,7 +245,7 @@ def versions(device: str) -> Dict[str, Any]:
         import triton
 
         out["triton"] = triton.__version__
-        from torchpatches.ops import _launch
+        from torchpatches.ops._runtime import launch as _launch
 
         out["fast path"] = _launch._environment_reason() or "on"
     except Exception as e:

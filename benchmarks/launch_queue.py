@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 
 def calls(device: torch.device) -> Dict[str, Callable[[], Any]]:
-    from torchpatches.ops import modulate
+    from torchpatches.ops import _modulate as modulate
 
     x = torch.randn(1, 16, 64, device=device, dtype=torch.bfloat16)
     w = torch.randn(64, 64, device=device, dtype=torch.bfloat16)
@@ -36,7 +36,7 @@ def calls(device: torch.device) -> Dict[str, Callable[[], Any]]:
         "torch.add": lambda: x + 1,
         "F.silu": lambda: F.silu(x),
         "F.linear (cuBLAS)": lambda: F.linear(x, w),
-        "ops.modulate.layer_norm_modulate (Triton)": lambda: modulate.layer_norm_modulate(x, v, v),
+        "ops.layer_norm_modulate (Triton)": lambda: modulate.layer_norm_modulate(x, v, v),
     }
 
 

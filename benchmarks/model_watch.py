@@ -25,7 +25,7 @@ import _bench  # noqa: E402,I001
 
 import torch  # noqa: E402
 
-from torchpatches._graph_keys import ModelWatch  # noqa: E402
+from torchpatches.cuda_graphs._keys import ModelWatch  # noqa: E402
 
 
 def watch_class_at(revision: str) -> Any:
@@ -36,7 +36,7 @@ def watch_class_at(revision: str) -> Any:
             source = file.read()
     else:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        source = subprocess.run(["git", "show", f"{revision}:torchpatches/_graph_keys.py"], cwd=root, check=True,
+        source = subprocess.run(["git", "show", f"{revision}:torchpatches/cuda_graphs/_keys.py"], cwd=root, check=True,
                                 capture_output=True, text=True).stdout
     module = types.ModuleType("graph_keys_baseline")
     exec(compile(source, f"{revision}:_graph_keys.py", "exec"), module.__dict__)

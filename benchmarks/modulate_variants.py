@@ -69,7 +69,7 @@ def build(name: str, workdir: Path) -> Any:
 
     src = VARIANTS[name](inspect.getsource(_modulate_triton._modulate_kernel))
     header = ("import triton.language as tl\n"
-              "from torchpatches.ops._triton_common import _mul_rn, _round_to, _rsqrt, _sum_combine\n\n\n")
+              "from torchpatches.ops._runtime.triton_common import _mul_rn, _round_to, _rsqrt, _sum_combine\n\n\n")
     path = workdir / f"modulate_{name.replace('+', '_')}.py"
     path.write_text(header + src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -101,7 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    from torchpatches.ops import modulate
+    from torchpatches.ops import _modulate as modulate
 
     device = torch.device("cuda")
     gbps = copy_rate(device)

@@ -1,8 +1,8 @@
 """Host microseconds of one fused-op call, layer by layer, against plain torch calls on the same host.
 
-For ``ops.modulate.layer_norm_modulate`` at a tiny shape (the kernel takes a few microseconds on the GPU, so
+For ``ops.layer_norm_modulate`` at a tiny shape (the kernel takes a few microseconds on the GPU, so
 a batch's wall time is host time): the public entry (argument checks, tier choice, output allocation, the
-Triton launch through ``ops._launch``), its ``prechecked`` entry (what the fusion patterns call after their
+Triton launch through ``ops._runtime.launch``), its ``prechecked`` entry (what the fusion patterns call after their
 own checks), the Triton tier's ``launch`` called directly with prepared tensors,
 ``torch.empty`` of the output and ``x + 1`` for scale, and the helper the adaln pattern calls (its checks, then
 the op); medians of ``--repeats`` batches of ``--batch`` calls.
@@ -33,8 +33,8 @@ def python_only(repeats: int) -> List[Dict[str, Any]]:
     """Best-of-``repeats`` microseconds of each modulate entry's Python (CPU tensors, launch stubbed)."""
     import timeit
 
-    from torchpatches.ops import modulate
-    from torchpatches.ops._tiers import force_tier
+    from torchpatches.ops import _modulate as modulate
+    from torchpatches.ops import force_tier
 
     x, y = torch.randn(1, 16, 64, dtype=torch.bfloat16), torch.randn(1, 16, 64, dtype=torch.bfloat16)
     v, g = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(1, 64, dtype=torch.bfloat16)
@@ -80,16 +80,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             with open(args.json, "w") as handle:
                 json.dump(dict(machine="cpu", torch=torch.__version__, rows=rows), handle, indent=2)
         return 0
-    from torchpatches.ops import _modulate_triton, modulate
+    from torchpatches.ops import _modulate_triton, _modulate as modulate
 
     x = torch.randn(1, 16, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)  # [B, D], as FLUX's adaLN chunks are
     v3, out = v.unsqueeze(1), torch.empty_like(x)
     calls: Dict[str, Callable[[], Any]] = {
-        "ops.modulate.layer_norm_modulate (public entry)": lambda: modulate.layer_norm_modulate(x, v, v),
+        "ops.layer_norm_modulate (public entry)": lambda: modulate.layer_norm_modulate(x, v, v),
         "_modulate_triton.launch (kernel tier, prepared)": lambda: _modulate_triton.launch(
             x, None, None, v3, v3, None, out, eps=1e-6, clip=False),
-        "ops.modulate.prechecked (what the patterns call)": lambda: modulate.prechecked(x, None, None, v, v, 1e-6),
+        "ops.prechecked (what the patterns call)": lambda: modulate.prechecked(x, None, None, v, v, 1e-6),
         "torch.empty (the output)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
         "x + 1 (one torch op)": lambda: x + 1,
     }

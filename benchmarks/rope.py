@@ -27,8 +27,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from torchpatches import _harness as harness  # noqa: E402
-from torchpatches.ops import rope  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the tests' harness
+import harness  # noqa: E402
+from torchpatches.ops import _rope as rope  # noqa: E402
 from torchpatches.ops import _rope_triton  # noqa: E402
 
 

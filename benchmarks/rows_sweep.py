@@ -34,7 +34,7 @@ CONFIGS: Tuple[Tuple[int, int], ...] = ((2048, 4), (1024, 4), (2048, 8), (4096, 
 def fill(x: torch.Tensor, out: torch.Tensor, act: int, cap: int, warps: int) -> None:
     """``_rows_triton.launch`` with the block width ``cap`` and ``warps`` given."""
     from torchpatches.ops import _rows_triton
-    from torchpatches.ops._triton_common import KINDS, cdiv, launch_kernel
+    from torchpatches.ops._runtime.triton_common import KINDS, cdiv, launch_kernel
 
     n = out.shape[1]
     block = cap if n >= cap else max(16, 1 << (n - 1).bit_length())

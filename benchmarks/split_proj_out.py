@@ -47,7 +47,7 @@ M, WIDTH, MLP = 4608, 3072, 12288  # FLUX.1-dev at 1024x1024: 4096 image + 512 t
 def buffer_tail(x: torch.Tensor, attn: torch.Tensor, w_mlp: torch.Tensor, b_mlp: torch.Tensor, w_out: torch.Tensor,
                 b_out: torch.Tensor) -> torch.Tensor:
     """The package's form: ``proj_out([attn | gelu(proj_mlp(x))])`` through one buffer (diffusers' bits)."""
-    from torchpatches.ops import slices
+    from torchpatches.ops import _slices as slices
 
     mlp = torch.nn.functional.linear(x, w_mlp, b_mlp)
     buf = mlp.new_empty((mlp.shape[0], WIDTH + MLP))
@@ -67,7 +67,7 @@ def split_tail(x: torch.Tensor, attn: torch.Tensor, w_mlp: torch.Tensor, b_mlp: 
 def strided_tail(x: torch.Tensor, attn: torch.Tensor, w_mlp: torch.Tensor, b_mlp: torch.Tensor, w_out: torch.Tensor,
                  b_out: torch.Tensor) -> torch.Tensor:
     """GELU in the epilogue, written into the buffer's right half; the attention output copied as today."""
-    from torchpatches.ops import slices
+    from torchpatches.ops import _slices as slices
 
     buf = x.new_empty((x.shape[0], WIDTH + MLP))
     torch._addmm_activation(b_mlp, x, w_mlp.t(), use_gelu=True, out=buf[:, WIDTH:])

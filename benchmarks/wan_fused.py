@@ -10,7 +10,7 @@ import os, re, sys, json, statistics, time
 os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
 import torch
 import torchpatches
-from torchpatches.ops._tiers import force_tier
+from torchpatches.ops import force_tier
 dev = torch.device("cuda"); dt = torch.bfloat16
 import diffusers
 FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "wan_block", "wan_qk_norm_rope", "rope")
@@ -77,7 +77,7 @@ print("whole model rel err (bf16):", float((out.float() - ref.float()).norm() / 
 
 # per op at production shape: the kernel (Triton tier) vs diffusers' code (PyTorch tier): fraction of output
 # elements bit-identical, and max difference in bf16 ulps at the magnitude of the last rounded intermediate
-from torchpatches.ops import modulate, rms_norm_rope
+from torchpatches.ops import _modulate as modulate, _rms_norm_rope as rms_norm_rope
 import torch.nn.functional as F
 def ulps(a, b, mag):
     a = a.double(); b = b.double(); same = (a == b).double().mean().item()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from torchpatches._declare import Patch, Target
-from torchpatches._gates import fingerprint
+from torchpatches._core.declare import Patch, Target
+from torchpatches._core.gates import fingerprint
 
 NAME = "test_realize"
 

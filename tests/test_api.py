@@ -11,10 +11,10 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 import torchpatches
-from torchpatches import _gates
-from torchpatches._declare import Patch, Target
-from torchpatches._registry import Registry
-from torchpatches._status import PatchState
+from torchpatches._core import gates as _gates
+from torchpatches._core.declare import Patch, Target
+from torchpatches._core.registry import Registry
+from torchpatches._core.status import PatchState
 
 from _fresh import run_forked
 

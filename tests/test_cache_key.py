@@ -1,4 +1,4 @@
-"""torchpatches._cache_key: active tokens enter Inductor's FX-graph and AOTAutograd cache keys
+"""torchpatches._core.cache_key: active tokens enter Inductor's FX-graph and AOTAutograd cache keys
 through a component computed at every lookup, and leave them exactly.
 
 The end-to-end proofs (a patched process is never served an unpatched artifact, whatever the user
@@ -14,7 +14,7 @@ from typing import Iterator, List
 import pytest
 import torch
 
-from torchpatches import _cache_key
+from torchpatches._core import cache_key as _cache_key
 
 from _fresh import run_forked
 
@@ -124,7 +124,7 @@ LOWERING_MODES = [(None, False), ("", False), ("normal", False), ("serialize", F
                   ("SUBPROCESS", True), ("async+subprocess", True), ("progressive+subprocess", True), ("bogus", False)]
 
 _LOWERING_CASE = (
-    "import sys, torchpatches._cache_key as ck\n"
+    "import sys, torchpatches._core.cache_key as ck\n"
     "before = ck.lowering_elsewhere()\n"
     "import torch._inductor.compile_fx\n"
     "after = ck.lowering_elsewhere()\n"
@@ -161,7 +161,7 @@ def test_lowering_elsewhere_empties_the_component(no_tokens: None, monkeypatch: 
 def test_cache_token_of_a_patch_without_source_code() -> None:
     """A patch built in ``python -c`` or shipped without .py files still gets a token naming its code
     (the bytecode of make_replacement), never a shared placeholder."""
-    from torchpatches._declare import Patch, Target
+    from torchpatches._core.declare import Patch, Target
 
     def patch_from(source: str) -> Patch:
         namespace: dict = {}

@@ -27,7 +27,7 @@ CHILD_PATH = os.pathsep.join((str(REPO), str(TESTS)))
 
 
 def _make_registry() -> Any:
-    from torchpatches._registry import Registry
+    from torchpatches._core.registry import Registry
 
     from _inductor_test_patch import make_test_patch
 
@@ -138,7 +138,7 @@ _CHILD = textwrap.dedent(
         with cc.patch(cache_key_tag="mine"):
             runs.append(compile_once("unpatched"))
     else:
-        from torchpatches._registry import Registry
+        from torchpatches._core.registry import Registry
         registry = Registry([make_test_patch()])
         registry.apply()  # pending: Inductor is not imported yet
         with cc.patch(cache_key_tag="mine"):
@@ -186,8 +186,8 @@ def test_lowering_in_a_child_process_skips_inductor_patches_and_keeps_them_out_o
     code = textwrap.dedent(
         """
         import torch, torch._inductor.ir, torchpatches
-        from torchpatches import _cache_key
-        from torchpatches._registry import Registry
+        from torchpatches._core import cache_key as _cache_key
+        from torchpatches._core.registry import Registry
         from _inductor_test_patch import make_test_patch
         registry = Registry([make_test_patch()])
         registry.apply()
@@ -214,7 +214,7 @@ _SUBPROCESS_MODE_CHILD = textwrap.dedent(
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
-    from torchpatches._registry import Registry
+    from torchpatches._core.registry import Registry
     from _inductor_test_patch import make_test_patch
 
     def flip_to_realize(a, b):

@@ -8,7 +8,7 @@ from typing import Iterator, List
 import pytest
 import torch
 
-from torchpatches import _harness as harness
+import harness
 from torchpatches.compile import OnceLogger, constant_query, reset_once, warn_once, warning_once
 
 LOGGER_NAME = "torchpatches.tests.compile"

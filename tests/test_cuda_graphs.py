@@ -20,10 +20,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 import torchpatches
-from torchpatches._graph_capture import CaptureFailed
-from torchpatches._harness import build_model, tiny_inputs
+from torchpatches.cuda_graphs._capture import CaptureFailed
+from harness import build_model, tiny_inputs
 from torchpatches.cuda_graphs import Graphed, graphed
-from torchpatches.ops._tiers import force_tier
+from torchpatches.ops import force_tier
 
 CUDA = os.environ.get("TORCHPATCHES_TEST_DEVICE") == "cuda" or torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA (TORCHPATCHES_TEST_DEVICE=cuda)")
@@ -263,7 +263,7 @@ def test_reset_and_unwatched_model(net: Net) -> None:
 
 def test_global_token_follows_patches_tier_and_modes() -> None:
     import diffusers.models.embeddings  # noqa: F401 - rope's target: the patch applies on its import
-    from torchpatches._graph_keys import global_token
+    from torchpatches.cuda_graphs._keys import global_token
 
     base = global_token("cuda")
     assert "rope" in base[0] and global_token("cuda") == base
@@ -583,7 +583,7 @@ class _CudaStandIn:
 
 
 def test_cuda_backend_warms_up_on_a_side_stream_then_captures(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchpatches._graph_capture import CudaBackend
+    from torchpatches.cuda_graphs._capture import CudaBackend
 
     cuda, backend = _CudaStandIn(monkeypatch), CudaBackend()
     calls = []
@@ -605,7 +605,7 @@ def test_cuda_backend_warms_up_on_a_side_stream_then_captures(monkeypatch: pytes
 
 
 def test_wrapper_through_the_cuda_backend(monkeypatch: pytest.MonkeyPatch, net: Net) -> None:
-    from torchpatches._graph_capture import CudaBackend
+    from torchpatches.cuda_graphs._capture import CudaBackend
 
     class OnCpu(CudaBackend):
         device_type = "cpu"

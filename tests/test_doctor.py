@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import torchpatches
-from torchpatches import _capture, _doctor, _doctor_rows, testing
-from torchpatches._declare import Site
-from torchpatches._sites import DeclaredSite
+from torchpatches._doctor import capture as _capture, diagnose as _doctor, rows as _doctor_rows
+from torchpatches import testing
+from torchpatches._core.declare import Site
+from torchpatches._doctor.sites import DeclaredSite
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = Path(__file__).read_text().splitlines()
@@ -416,7 +417,7 @@ def test_capture_restores_dynamo() -> None:
 
 
 def test_import_does_not_load_the_doctor() -> None:
-    code = "import sys, torchpatches; print([m for m in ('torchpatches._doctor', 'torchpatches._doctor_report', 'torchpatches._doctor_rows', 'torchpatches._doctor_script', 'torchpatches._capture', 'torchpatches._sites') if m in sys.modules])"
+    code = "import sys, torchpatches; print([m for m in ('torchpatches._doctor.diagnose', 'torchpatches._doctor.report', 'torchpatches._doctor.rows', 'torchpatches._doctor.script', 'torchpatches._doctor.capture', 'torchpatches._doctor.sites') if m in sys.modules])"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -445,7 +446,7 @@ if __name__ == "__main__":
 def test_script_with_main_guard_argv_reset_and_sys_exit(tmp_path: Path, capsys: pytest.CaptureFixture, code: int) -> None:
     """What each run's child process does with the script (`script_workload` + the runs), in this process;
     the child processes themselves are tested end to end below (test_cli_each_run_is_a_fresh_python...)."""
-    from torchpatches._doctor_script import script_workload
+    from torchpatches._doctor.script import script_workload
 
     script = tmp_path / "exits.py"
     script.write_text(_EXITING)
@@ -579,7 +580,7 @@ def test_cli_each_run_is_a_fresh_python_and_json_stays_alone_on_stdout(tmp_path:
 
 def test_a_run_that_ends_with_os_exit_is_still_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """What each run's child does when the script ends its process with os._exit(n) to skip teardown."""
-    from torchpatches import _doctor_script
+    from torchpatches._doctor import script as _doctor_script
 
     class Ended(BaseException):
         pass
@@ -600,7 +601,7 @@ def test_a_run_that_ends_with_os_exit_is_still_reported(monkeypatch: pytest.Monk
 
 
 def test_stdin_is_replayed_to_every_run_and_an_endless_stream_does_not_stall() -> None:
-    from torchpatches._doctor_script import StdinReplay
+    from torchpatches._doctor.script import StdinReplay
 
     read_end, write_end = os.pipe()
     os.write(write_end, b"3\n")  # the stream stays open: never an EOF
@@ -714,20 +715,24 @@ def test_everything_after_the_script_is_the_scripts(argv: List[str], options: Li
     assert _split_script(argv) == (options, script_args)
 
 
-# ---- issue 15: the doctor's modules import nothing from the package above them ------------------------------
+# ---- the doctor's modules import nothing from the package above them ---------------------------------------
 
 
-@pytest.mark.parametrize("module", ["_doctor", "_doctor_report", "_doctor_rows", "_doctor_script", "_capture", "_sites"])
+DOCTOR = ROOT / "torchpatches" / "_doctor"
+
+
+@pytest.mark.parametrize("module", ["__init__", "diagnose", "report", "rows", "script", "capture", "sites"])
 def test_no_upward_import(module: str) -> None:
     import ast
 
-    tree = ast.parse((ROOT / "torchpatches" / f"{module}.py").read_text())
+    tree = ast.parse((DOCTOR / f"{module}.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             assert not any(alias.name == "torchpatches" for alias in node.names), ast.dump(node)
         elif isinstance(node, ast.ImportFrom):
             assert node.module != "torchpatches" or node.level, ast.dump(node)
-            if node.level == 1 and node.module is None:  # from . import x: x must be a module, not __init__'s name
+            if node.level and node.module is None:  # from . / .. import x: x must be a module, not an __init__'s name
+                package = DOCTOR if node.level == 1 else DOCTOR.parent
+                assert node.level <= 2, ast.dump(node)
                 for alias in node.names:
-                    assert (ROOT / "torchpatches" / f"{alias.name}.py").exists() or (
-                        ROOT / "torchpatches" / alias.name).is_dir(), alias.name
+                    assert (package / f"{alias.name}.py").exists() or (package / alias.name).is_dir(), alias.name

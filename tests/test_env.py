@@ -6,7 +6,7 @@ import warnings
 import pytest
 from hypothesis import given, strategies as st
 
-from torchpatches._env import disabled_names
+from torchpatches._core.env import disabled_names
 
 KNOWN = ("inductor_realize", "compile_warnings", "rope")
 

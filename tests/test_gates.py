@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from packaging.version import Version
 
-from torchpatches import _gates
+from torchpatches._core import gates as _gates
 
 
 @pytest.mark.parametrize(

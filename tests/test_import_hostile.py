@@ -16,9 +16,9 @@ from typing import Callable, Dict
 import pytest
 
 import torchpatches
-from torchpatches import _gates
-from torchpatches._declare import Patch, Target
-from torchpatches._registry import PatchState, Registry
+from torchpatches._core import gates as _gates
+from torchpatches._core.declare import Patch, Target
+from torchpatches._core.registry import PatchState, Registry
 
 from _fresh import Result, run_forked
 
@@ -296,7 +296,7 @@ def test_declarations_with_wrong_types_raise_value_error(make: Callable[[], obje
 
 _BUILTIN_LOADERS = """
     import sys, importlib.machinery as m
-    from torchpatches._import_hooks import when_imported
+    from torchpatches._core.import_hooks import when_imported
     names = [n for n in sys.builtin_module_names if n not in sys.modules and not n.startswith("_frozen")]
     name = names[0]
     before = m.BuiltinImporter.__dict__["exec_module"]

@@ -1,4 +1,4 @@
-"""``torchpatches._lazy``: a module imported at its first use."""
+"""``torchpatches._core.lazy``: a module imported at its first use."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ def test_lazy_module_imports_once_at_the_first_call(monkeypatch: pytest.MonkeyPa
     import (a hot path's replacement for an ``import`` statement in its body)."""
     import importlib
 
-    from torchpatches._lazy import lazy_module
+    from torchpatches._core.lazy import lazy_module
 
     seen = []
     real = importlib.import_module

@@ -10,10 +10,10 @@ import uuid
 
 import pytest
 
-from torchpatches import _gates
-from torchpatches._declare import Patch, Target
-from torchpatches._registry import Registry
-from torchpatches._status import PatchState
+from torchpatches._core import gates as _gates
+from torchpatches._core.declare import Patch, Target
+from torchpatches._core.registry import Registry
+from torchpatches._core.status import PatchState
 
 TARGET_SOURCE = """
     def greet(name):

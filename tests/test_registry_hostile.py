@@ -18,9 +18,9 @@ from typing import Any, Callable, Tuple
 
 import pytest
 
-from torchpatches import _gates
-from torchpatches._declare import Patch, Target
-from torchpatches._registry import PatchState, Registry
+from torchpatches._core import gates as _gates
+from torchpatches._core.declare import Patch, Target
+from torchpatches._core.registry import PatchState, Registry
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ from typing import Callable, List, Tuple
 
 import pytest
 
-from torchpatches import _gates
-from torchpatches._declare import LazyTargets, Patch, Target
-from torchpatches._registry import Registry
-from torchpatches._status import PatchState
+from torchpatches._core import gates as _gates
+from torchpatches._core.declare import LazyTargets, Patch, Target
+from torchpatches._core.registry import Registry
+from torchpatches._core.status import PatchState
 
 GREET = "def greet(name):\n    return 'hello ' + name\n"
 

@@ -9,9 +9,9 @@ from typing import Any, Callable
 
 import pytest
 
-from torchpatches import _gates
-from torchpatches._declare import Patch, Target
-from torchpatches._registry import PatchState, Registry
+from torchpatches._core import gates as _gates
+from torchpatches._core.declare import Patch, Target
+from torchpatches._core.registry import PatchState, Registry
 
 SOURCE = 'PREFIX = "hello "\n\ndef greet(name):\n    return PREFIX + name\n'
 
@@ -47,7 +47,7 @@ def test_anything_raised_while_locating_skips(make_module: Callable[..., str], m
     def raises(*args: Any) -> str:
         raise _gates.SourceMismatch("as reload(torchpatches) met it for dispatch_attention_fn")
 
-    monkeypatch.setattr("torchpatches._slot.marked_original", raises)
+    monkeypatch.setattr("torchpatches._core.slot.marked_original", raises)
     registry = Registry([Patch(name="loud", summary="t", targets=(Target(f"{name}:greet", _loud, frozenset({fingerprint})),))])
     registry.apply(["loud"])
     status = registry.status()["loud"]

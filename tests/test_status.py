@@ -5,7 +5,7 @@ from typing import Dict, Optional, Tuple
 
 import pytest
 
-from torchpatches._status import PatchState, PatchStatus, Status, TargetStatus, summarise
+from torchpatches._core.status import PatchState, PatchStatus, Status, TargetStatus, summarise
 
 A, S, D, F, P = PatchState.APPLIED, PatchState.SKIPPED, PatchState.DISABLED, PatchState.FAILED, PatchState.PENDING
 

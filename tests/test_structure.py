@@ -6,7 +6,7 @@ Which imports count (``if TYPE_CHECKING:`` blocks never do: they do not run):
   ``if``/``try``/``with`` blocks and class bodies, not function bodies): none at all, since such a cycle
   hands one module a half-initialized other. Among all imports, function-local ones too: none either,
   since a function-local import still makes a dependency, and the modules should form layers. A
-  function-local import is the way to *defer* a dependency (``_registry`` loads ``_gates`` once a target's
+  function-local import is the way to *defer* a dependency (``_core.registry`` loads ``_core.gates`` once a target's
   module has loaded, to keep ``import torchpatches`` cheap), not a way around the layering.
 - imports of the package ``__init__`` (``import torchpatches``, ``from torchpatches import name``,
   ``from . import name`` / ``from .. import name`` where ``name`` is not a module): every import,
@@ -31,13 +31,12 @@ MAX_LINES = 450
 #: Modules above the public API: the CLI and the demo it runs. Nothing else in the package imports them.
 ENTRY_POINTS = {f"{PACKAGE}.__main__", f"{PACKAGE}._demo"}
 
-#: Known cycles through function-local imports (their modules) -> the branch that breaks it (none left:
-#: ops/_rope_library <-> ops/_rope_tiers and torchpatches <-> _doctor were broken by ops-fused and doctor-hostile).
+#: Known cycles through function-local imports (their modules) -> the branch that breaks it.
 KNOWN_CYCLES: Dict[Tuple[str, ...], str] = {}
 #: Modules known to import the package __init__ from below -> the branch that removes the import.
-KNOWN_UPWARD: Dict[str, str] = {}  # _doctor's import of torchpatches was removed by doctor-hostile
+KNOWN_UPWARD: Dict[str, str] = {}
 #: Files known to be over MAX_LINES -> the branch that splits them.
-KNOWN_LONG: Dict[str, str] = {}  # testing.py was made small by tests-ci, _doctor.py split by doctor-hostile
+KNOWN_LONG: Dict[str, str] = {}
 
 
 def _module_name(path: Path) -> str:
@@ -220,8 +219,8 @@ def test_known_long_file_is_split(path: str) -> None:
 def test_the_checker_finds_a_cycle_and_ignores_function_local_imports() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [("a", "b", "c")]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-    source = "import torchpatches._gates\ndef f():\n    from . import _slot\nif TYPE_CHECKING:\n    from . import _status\n"
-    found = [(node.lineno, at_load) for node, at_load in _imports(f"{PACKAGE}._registry", ast.parse(source).body, True)]
+    source = "import torchpatches._core.gates\ndef f():\n    from . import _slot\nif TYPE_CHECKING:\n    from . import _status\n"
+    found = [(node.lineno, at_load) for node, at_load in _imports(f"{PACKAGE}._core.registry", ast.parse(source).body, True)]
     assert found == [(1, True), (3, False), (5, False)]
 
 
@@ -229,12 +228,13 @@ def test_the_checker_tells_a_submodule_from_a_name_of_the_package_init() -> None
     def targets(module: str, source: str) -> List[Tuple[str, bool]]:
         return [target for node in ast.parse(source).body for target in _targets(module, node)]
 
-    assert targets(f"{PACKAGE}._doctor", "from . import __version__, _sites") == [
-        (PACKAGE, True), (f"{PACKAGE}._sites", False)]
+    assert targets(f"{PACKAGE}._doctor.diagnose", "from .. import __version__, _harness") == [
+        (PACKAGE, True), (f"{PACKAGE}._harness", False)]
+    assert targets(f"{PACKAGE}._doctor.diagnose", "from . import sites") == [(f"{PACKAGE}._doctor.sites", False)]
     assert targets(f"{PACKAGE}.patches.rope", "from .. import status") == [(PACKAGE, True)]
-    assert targets(f"{PACKAGE}.patches.rope", "from .._declare import Patch") == [(f"{PACKAGE}._declare", False)]
+    assert targets(f"{PACKAGE}.patches.rope", "from .._core.declare import Patch") == [(f"{PACKAGE}._core.declare", False)]
     assert targets(f"{PACKAGE}.patches.compile_warnings", "from ._table import targets") == [
         (f"{PACKAGE}.patches.compile_warnings._table", False)]
-    assert targets(f"{PACKAGE}.ops.rope", "import torchpatches") == [(PACKAGE, True)]
-    assert targets(f"{PACKAGE}.ops.rope", "from torchpatches import apply") == [(PACKAGE, True)]
-    assert targets(f"{PACKAGE}.ops.rope", "import torch, os.path") == []
+    assert targets(f"{PACKAGE}.ops._rope", "import torchpatches") == [(PACKAGE, True)]
+    assert targets(f"{PACKAGE}.ops._rope", "from torchpatches import apply") == [(PACKAGE, True)]
+    assert targets(f"{PACKAGE}.ops._rope", "import torch, os.path") == []

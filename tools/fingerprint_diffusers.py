@@ -6,7 +6,7 @@
 Each release's wheel (pure Python) is downloaded with ``pip download --no-deps`` into ``--cache``
 (default ``.cache/diffusers-wheels``), unpacked beside it and imported in a subprocess of the running
 Python with that directory first on ``sys.path`` and every patch disabled, so the fingerprints are of
-diffusers' own objects (``torchpatches._gates.fingerprint``). The running Python needs torch and
+diffusers' own objects (``torchpatches._core.gates.fingerprint``). The running Python needs torch and
 diffusers' dependencies (any nox test environment has them). A ``*`` marks a fingerprint the patch
 already accepts.
 """
@@ -27,8 +27,8 @@ _SCAN = r"""
 import importlib, json, sys, warnings
 warnings.simplefilter("ignore")
 import diffusers
-from torchpatches._gates import fingerprint
-from torchpatches._slot import SkipTarget, find
+from torchpatches._core.gates import fingerprint
+from torchpatches._core.slot import SkipTarget, find
 from torchpatches.patches import (compile_warnings, cp_all_to_all, cp_ring_attention, cp_ulysses_anything, lora_scale,
                                   qwenimage_text_seq_len, rope)
 

@@ -19,15 +19,15 @@ import importlib
 import traceback
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
-from . import _env
-from ._declare import Patch, Site, Target
-from ._import_hooks import not_installed_reason
-from ._registry import Registry
-from ._status import PatchState, PatchStatus, Status, TargetStatus
+from ._core import env as _env
+from ._core.declare import Patch, Site, Target
+from ._core.import_hooks import not_installed_reason
+from ._core.registry import Registry
+from ._core.status import PatchState, PatchStatus, Status, TargetStatus
 from .patches import PATCH_MODULES
 
 if TYPE_CHECKING:
-    from ._doctor_report import DoctorReport
+    from ._doctor.report import DoctorReport
 
 __version__ = "0.1.0.dev0"
 
@@ -172,7 +172,7 @@ def doctor(fn_or_module: Any, *args: Any, **kwargs: Any) -> "DoctorReport":
     """
     import sys
 
-    from . import _doctor  # lazily: the doctor is not part of the import path
+    from ._doctor import diagnose as _doctor  # lazily: the doctor is not part of the import path
 
     return _doctor.doctor(sys.modules[__name__], fn_or_module, args, kwargs)
 

@@ -98,7 +98,7 @@ def _doctor_main(argv: List[str]) -> int:
     except (OSError, SyntaxError, ValueError) as error:
         parser.error(f"cannot run {args.script}: {type(error).__name__}: {error}")
 
-    from . import _doctor_script
+    from ._doctor import script as _doctor_script
 
     report = _doctor_script.diagnose_script(
         torchpatches, args.script, script_args, json_mode=args.json, baseline=not args.no_baseline,

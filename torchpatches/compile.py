@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Tuple, Type, TypeVar, Union
 
 import torch
 
-from ._compat import (
+from ._core.compat import (
     assume_constant,
     emit_log_once,
     emit_warning_once,

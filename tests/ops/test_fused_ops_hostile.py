@@ -13,8 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchpatches.ops import linear_gelu, modulate, qk_norm_rope, slices, swiglu
-from torchpatches.ops._tiers import force_tier
+from torchpatches.ops import (
+    _linear_gelu as linear_gelu,
+    _modulate as modulate,
+    _qk_norm_rope as qk_norm_rope,
+    _slices as slices,
+    _swiglu as swiglu,
+)
+from torchpatches.ops import force_tier
 
 try:
     import triton  # noqa: F401
@@ -116,7 +122,7 @@ def test_triton_tier_refuses_calls_autograd_records(case: str) -> None:
 @NEEDS_TRITON
 def test_triton_default_with_grad_goes_to_torch_tier(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the automatic tier is Triton; with a tensor needing grad it must pick the PyTorch tier."""
-    from torchpatches.ops import _tiers
+    from torchpatches.ops._runtime import tiers as _tiers
 
     monkeypatch.setattr(_tiers, "_automatic", lambda device_type: "triton")
     x = _randn(2, 3, 8).requires_grad_(True)

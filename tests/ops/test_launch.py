@@ -1,4 +1,4 @@
-"""torchpatches.ops._launch: cached Triton launches.
+"""torchpatches.ops._runtime.launch: cached Triton launches.
 
 The promise: ``launch(kernel, grid, args, constexprs)`` runs the compiled kernel that
 ``kernel[grid](*args, **constexprs)`` would run, on the same stream. On CPU the compiled launcher is
@@ -25,7 +25,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from torchpatches.ops import _launch  # noqa: E402
+from torchpatches.ops._runtime import launch as _launch  # noqa: E402
 
 HYP = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), max_examples=200)
 SUPPORTED = _launch._triton_version() in _launch.SUPPORTED_TRITON

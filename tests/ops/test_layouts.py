@@ -18,8 +18,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import pytest
 import torch
 
-from torchpatches.ops import (linear_gelu, lora, lse_merge, modulate, qk_norm_rope, rms_norm_rope, rope, rope_tables,
-                              slices, swiglu)
+from torchpatches.ops import (
+    _linear_gelu as linear_gelu,
+    _lora as lora,
+    _lse_merge as lse_merge,
+    _modulate as modulate,
+    _qk_norm_rope as qk_norm_rope,
+    _rms_norm_rope as rms_norm_rope,
+    _rope as rope,
+    _rope_tables as rope_tables,
+    _slices as slices,
+    _swiglu as swiglu,
+)
 
 from _fused_checks import needs_triton, ulps
 

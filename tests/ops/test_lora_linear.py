@@ -1,4 +1,4 @@
-"""``torchpatches.ops.lora.lora_linear``: the GEMM-epilogue tier against peft's op order (the torch tier).
+"""``torchpatches.ops.lora_linear``: the GEMM-epilogue tier against peft's op order (the torch tier).
 
 fp32 bit-identical where every scaling is a power of two (``s * acc`` exact, so an FMA of ``alpha * acc + C``
 or an ``alpha`` applied to the packed operand changes nothing), within the GEMM's own error bound otherwise;
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchpatches.ops.lora import lora_linear
+from torchpatches.ops._lora import lora_linear
 
 
 def make(shape_x, n_out: int, ranks: List[int], scalings, seed: int = 0):

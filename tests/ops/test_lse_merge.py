@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import DTYPES, HAS_TRITON, hyp, needs_triton, ulps
-from torchpatches.ops.lse_merge import MAX_TRITON_D, force_tier, lse_merge
+from torchpatches.ops._lse_merge import MAX_TRITON_D, force_tier, lse_merge
 
 HYP = hyp(25)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

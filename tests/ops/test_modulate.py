@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import DTYPES, UNIT, hyp, needs_triton, strided, ulps
-from torchpatches.ops import modulate
+from torchpatches.ops import _modulate as modulate
 
 HYP = hyp(25)
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import UNIT, assert_rotated_close, hyp, interleaved_tables, needs_triton, pair_norm, ulps
-from torchpatches.ops.qk_norm_rope import force_tier, qk_norm_rope
+from torchpatches.ops._qk_norm_rope import force_tier, qk_norm_rope
 
 HYP = hyp(20)
 
@@ -101,7 +101,7 @@ def test_prechecked_is_the_public_op(case: Dict[str, Any], tier: str, transposed
     """The pattern's entry without the checks gives the public op's result bit for bit in each tier, with q, k,
     v of different strides (one set per group is made, as the public op makes it) and a head dim that is not
     unit-stride."""
-    from torchpatches.ops.qk_norm_rope import prechecked
+    from torchpatches.ops._qk_norm_rope import prechecked
 
     (q, k, v), w = case["img"], case["weights"]
     if transposed_k:

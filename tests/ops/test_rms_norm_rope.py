@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import DTYPES, HAS_TRITON, assert_rotated_close, hyp, interleaved_tables, needs_triton
-from torchpatches.ops.rms_norm_rope import rms_norm_rope
+from torchpatches.ops._rms_norm_rope import rms_norm_rope
 
 HYP = hyp(20)
 

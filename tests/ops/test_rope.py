@@ -29,8 +29,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torchpatches
-from torchpatches import _harness as testing
-from torchpatches.ops import _rope_tiers, rope
+import harness as testing
+from torchpatches.ops import _rope_tiers, _rope as rope
 
 try:  # the Triton tier needs triton (the interpreter is part of it)
     import triton  # noqa: F401
@@ -411,7 +411,7 @@ def test_cuda_fallback_warns_once(monkeypatch):
 
 
 def test_import_does_not_import_triton_or_flashinfer():
-    code = ("import sys, torchpatches.ops.rope as r; "
+    code = ("import sys, torchpatches.ops._rope as r; "
             "print(sorted(m for m in ('triton', 'flashinfer') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "TRITON_INTERPRET": ""})

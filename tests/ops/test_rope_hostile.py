@@ -16,7 +16,7 @@ from typing import Optional
 import pytest
 import torch
 
-from torchpatches.ops import _rope_tiers, rope
+from torchpatches.ops import _rope_tiers, _rope as rope
 
 try:
     import triton  # noqa: F401

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import HAS_TRITON, hyp, needs_triton
-from torchpatches.ops import rope_tables as rt
-from torchpatches.ops._tiers import force_tier
+from torchpatches.ops import _rope_tables as rt
+from torchpatches.ops import force_tier
 
 diffusers = pytest.importorskip("diffusers")
 

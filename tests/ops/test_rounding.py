@@ -17,8 +17,8 @@ pytestmark = [needs_triton, pytest.mark.filterwarnings("ignore:overflow encounte
 if HAS_TRITON:
     import triton.language as tl
 
-    from torchpatches.ops import _triton_common
-    from torchpatches.ops._triton_common import KINDS, _round_to  # noqa: F401  (the kernel's global)
+    from torchpatches.ops._runtime import triton_common as _triton_common
+    from torchpatches.ops._runtime.triton_common import KINDS, _round_to
 
     def _round_kernel(x_ptr, o_ptr, N, BLOCK: tl.constexpr, KIND: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

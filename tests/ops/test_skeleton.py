@@ -24,8 +24,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import DTYPES, HAS_TRITON, UNIT, hyp, needs_triton, ulps
-from torchpatches.ops import (_rope_tiers, _tiers, linear_gelu, lse_merge, modulate, qk_norm_rope, rms_norm_rope, rope,
-                              rope_tables, slices, swiglu)
+from torchpatches.ops import (
+    _rope_tiers,
+    _linear_gelu as linear_gelu,
+    _lse_merge as lse_merge,
+    _modulate as modulate,
+    _qk_norm_rope as qk_norm_rope,
+    _rms_norm_rope as rms_norm_rope,
+    _rope as rope,
+    _rope_tables as rope_tables,
+    _slices as slices,
+    _swiglu as swiglu,
+)
+from torchpatches.ops._runtime import tiers as _tiers
 
 
 def _randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import DTYPES, HAS_TRITON, hyp, needs_triton, strided, ulps
-from torchpatches.ops import linear_gelu, slices, swiglu
-from torchpatches.ops._tiers import force_tier
+from torchpatches.ops import _linear_gelu as linear_gelu, _slices as slices, _swiglu as swiglu
+from torchpatches.ops import force_tier
 
 HYP = hyp(20)
 

@@ -127,7 +127,7 @@ def _count_op_calls(counts: Dict[str, Any]) -> None:
     import importlib
 
     for name in OPS:
-        module = importlib.import_module(f"torchpatches.ops.{name}")
+        module = importlib.import_module(f"torchpatches.ops._{name}")
         real = module._impl
 
         def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = name, **kwargs: Any) -> Any:
@@ -181,8 +181,8 @@ def _case(name: str, which: str, dtype: torch.dtype, counts: Dict[str, Any]) -> 
 
     import torchpatches
     from _fused_models import FUSED
-    from torchpatches._harness import build_model, tiny_inputs
-    from torchpatches.ops._tiers import force_tier
+    from harness import build_model, tiny_inputs
+    from torchpatches.ops import force_tier
 
     config_args, backend, options, gathered = CASES[name]
     config = f"{which}-fused"
@@ -236,7 +236,7 @@ def _grad_case(mode: str, counts: Dict[str, Any]) -> Dict[str, Any]:
     import torchpatches
     from _fused_models import FUSED
     from diffusers import ContextParallelConfig
-    from torchpatches._harness import build_model, tiny_inputs
+    from harness import build_model, tiny_inputs
 
     config_args, backend, _, _ = CASES[mode]
     model = build_model("flux1-fused")
@@ -267,7 +267,7 @@ def _native_ring_error() -> str:
     """What diffusers' ``native`` backend (the one that runs on CPU) says to ring attention."""
     from diffusers import ContextParallelConfig
 
-    from torchpatches._harness import build_model, tiny_inputs
+    from harness import build_model, tiny_inputs
 
     model = build_model("flux1-fused")
     inputs = tiny_inputs("flux1-fused")
@@ -326,7 +326,7 @@ def _import_once() -> None:
                  "diffusers.models.transformers.transformer_flux2", "diffusers.models.transformers.transformer_wan",
                  "diffusers.models.transformers.transformer_qwenimage",
                  "diffusers.hooks.context_parallel",
-                 "torchpatches._harness", *(f"torchpatches.ops.{op}" for op in OPS)):
+                 "torchpatches._harness", *(f"torchpatches.ops._{op}" for op in OPS)):
         importlib.import_module(name)
 
 

@@ -27,7 +27,7 @@ DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))
 def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """The harness's ``<name>-fused``: ``flux1-fused`` / ``flux2-fused`` (1 double + 2 single blocks), 16 image
     + 8 text tokens; ``qwenimage-fused`` (2 blocks), 16 image + 8 text tokens, the last 2 masked out."""
-    from torchpatches._harness import build_model, tiny_inputs
+    from harness import build_model, tiny_inputs
 
     config = f"{name}-fused"
     model = build_model(config, dtype=dtype, device=DEVICE)
@@ -81,7 +81,7 @@ def exact() -> Iterator[None]:
     """Where a patched run must equal diffusers' bit for bit: the PyTorch tier forced and gelu_gemm off (on CUDA
     its cuBLASLt epilogue rounds once where diffusers rounds twice; on the CPU it never runs)."""
     import torchpatches
-    from torchpatches.ops._tiers import force_tier
+    from torchpatches.ops import force_tier
 
     with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
         yield

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchpatches
-from torchpatches._gates import fingerprint
+from torchpatches._core.gates import fingerprint
 
 
 def applied(name: str, module: str) -> bool:

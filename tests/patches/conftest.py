@@ -21,14 +21,20 @@ def fused_on() -> Iterator[None]:
 def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
     """How often each fused op body ran (``"<op>"``), and how often with a tensor requiring grad
     (``"<op> with grad"``)."""
-    from torchpatches.ops import modulate, qk_norm_rope, rms_norm_rope, slices, swiglu
+    from torchpatches.ops import (
+        _modulate as modulate,
+        _qk_norm_rope as qk_norm_rope,
+        _rms_norm_rope as rms_norm_rope,
+        _slices as slices,
+        _swiglu as swiglu,
+    )
 
     counts: Dict[str, int] = collections.Counter()
     for module in (modulate, qk_norm_rope, swiglu, slices, rms_norm_rope):
         real = module._impl
 
         def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = module.__name__, **kwargs: Any):
-            name = _name.rsplit(".", 1)[1]
+            name = _name.rsplit(".", 1)[1].lstrip("_")  # the op, not its private module
             counts[name] += 1
             if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
                 counts[f"{name} with grad"] += 1

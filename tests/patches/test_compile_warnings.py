@@ -17,8 +17,9 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402  (applies the patches)
-from torchpatches import _harness as harness, _sites  # noqa: E402
-from torchpatches._capture import capture  # noqa: E402
+import harness  # noqa: E402
+from torchpatches._doctor import sites as _sites  # noqa: E402
+from torchpatches._doctor.capture import capture  # noqa: E402
 from torchpatches.patches import compile_warnings  # noqa: E402
 from torchpatches.compile import reset_once  # noqa: E402
 

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402,F401  (applies the patches)
-from torchpatches import _sites  # noqa: E402
+from torchpatches._doctor import sites as _sites  # noqa: E402
 from torchpatches.patches import compile_warnings  # noqa: E402
 from torchpatches.patches.compile_warnings import _table  # noqa: E402
 
@@ -52,7 +52,7 @@ def inventory() -> "warning_sites.Inventory":
 def declared() -> Dict[str, Set[Tuple[str, int]]]:
     """target path -> {(file relative to diffusers, first line of the call)} of the sites it removes.
 
-    Found the way the doctor finds them (torchpatches._sites), from each declared Site's function and call.
+    Found the way the doctor finds them (torchpatches._doctor.sites), from each declared Site's function and call.
     """
     for target in compile_warnings.PATCH.targets:
         importlib.import_module(target.module)

@@ -25,7 +25,7 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402
 import torchpatches  # noqa: E402
 
 from _collectives import PassThrough, Sub, counted_calls  # noqa: E402
-from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
+from torchpatches._core.slot import MARK_ORIGINAL  # noqa: E402
 from torchpatches.patches import cp_all_to_all  # noqa: E402
 
 

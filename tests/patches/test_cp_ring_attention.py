@@ -36,7 +36,7 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402
 import torchpatches  # noqa: E402
 
 from _collectives import PassThrough, Sub, counted_calls  # noqa: E402
-from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
+from torchpatches._core.slot import MARK_ORIGINAL  # noqa: E402
 from torchpatches.patches import cp_ring_attention  # noqa: E402
 
 
@@ -240,7 +240,7 @@ class _Merges(list):
 def merges(monkeypatch: pytest.MonkeyPatch) -> List[Any]:
     """The ``out_dtype`` of every ``lse_merge`` call the patched forward makes (its body, whichever tier), and in
     ``merges.tiers`` the tier each ran."""
-    from torchpatches.ops import lse_merge as op
+    from torchpatches.ops import _lse_merge as op
 
     calls = _Merges()
     real = op._impl
@@ -303,7 +303,7 @@ def test_the_kernel_merge_inside_the_ring_is_the_original_within_fp32_rounding(
     the patched forward, three ranks so an fp32 running output passes between merges: the log-sum-exp within
     fp32 rounding, the fp32 output within 1e-6, what the backward reads on ``ctx`` the returned tensors."""
     pytest.importorskip("triton")
-    from torchpatches.ops import lse_merge as op
+    from torchpatches.ops import _lse_merge as op
 
     world = _emulated_ranks(ring, monkeypatch, 3, torch.float32)
     for rank in range(3):

@@ -29,7 +29,7 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402
 import torchpatches  # noqa: E402
 
 from _collectives import Sub  # noqa: E402
-from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
+from torchpatches._core.slot import MARK_ORIGINAL  # noqa: E402
 from torchpatches.patches import _direct_collectives, cp_ulysses_anything  # noqa: E402
 
 

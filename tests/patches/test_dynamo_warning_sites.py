@@ -74,7 +74,7 @@ _FIRST_IMPORT = textwrap.dedent(
         torch._dynamo.config.ignore_logging_functions.update({logging.Logger.warning, warnings.warn})
     import torchpatches
     from diffusers.models.transformers import transformer_flux
-    from torchpatches import _harness as harness
+    import harness
     status = torchpatches.status()["compile_warnings"]
     case = next(c for c in harness.GRAPH_BREAK_CASES if (c.model, c.form) == ("flux1", "3-D ids"))
     model = case.build()

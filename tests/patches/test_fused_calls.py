@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from diffusers.models.normalization import FP32LayerNorm  # noqa: E402
-from torchpatches.ops.modulate import force_tier  # noqa: E402
+from torchpatches.ops._modulate import force_tier  # noqa: E402
 from torchpatches.patches._modulate_calls import modulated_once  # noqa: E402
 
 
@@ -21,7 +21,7 @@ def _wan(norm: torch.nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: tor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("affine", [False, True])
 def test_modulated_once_is_wans_expression(dtype: torch.dtype, affine: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchpatches.ops import modulate
+    from torchpatches.ops import _modulate as modulate
 
     ran = []
     real = modulate._impl
@@ -42,7 +42,7 @@ def test_helpers_fuse_through_prechecked_not_the_checked_entries(dtype: torch.dt
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The helpers have checked what the public entries check, so they take ``prechecked`` (host time); the
     result is diffusers' expression (PyTorch tier forced: bit for bit)."""
-    from torchpatches.ops import modulate
+    from torchpatches.ops import _modulate as modulate
     from torchpatches.patches import _modulate_calls as calls
 
     def checked_entry(*args, **kwargs):

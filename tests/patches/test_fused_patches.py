@@ -26,10 +26,10 @@ from _fused_models import (DEVICE, FUSED, LORA, exact, repeatable_inductor, reve
                            tiny)
 from diffusers.models import activations, normalization  # noqa: E402,F401  (the patch targets load)
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
-from torchpatches import _gates  # noqa: E402
-from torchpatches.ops._tiers import force_tier  # noqa: E402
+from torchpatches._core import gates as _gates  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
 from torchpatches.patches import gate_residual  # noqa: E402
-from torchpatches._harness import count_kernels  # noqa: E402
+from harness import count_kernels  # noqa: E402
 
 VERIFIED = "0.42.1"
 
@@ -129,7 +129,7 @@ def test_patch_modules_import_nothing_heavy() -> None:
         # the ops register torch.library ops when imported (~18 ms): they load with a patch's target; the
         # skeleton's tier switch (torch and the standard library only, registers nothing) loads with the patches
         ops = [m for m in sys.modules if m.startswith("torchpatches.ops") and m not in (
-            "torchpatches.ops", "torchpatches.ops._tiers")]
+            "torchpatches.ops", "torchpatches.ops._runtime", "torchpatches.ops._runtime.tiers")]
         assert not ops, ops
         assert not hasattr(torch.ops.torchpatches, "modulate")
         """
@@ -725,7 +725,7 @@ def test_qk_norm_rope_verifies_the_projection_functions(monkeypatch: pytest.Monk
 @pytest.fixture
 def table_calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
     """How often ``ops.rope_tables`` ran, by tier."""
-    from torchpatches.ops import rope_tables
+    from torchpatches.ops import _rope_tables as rope_tables
 
     counts: Dict[str, int] = collections.Counter()
     real = rope_tables._impl

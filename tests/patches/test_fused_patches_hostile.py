@@ -18,8 +18,8 @@ import torchpatches  # noqa: E402
 from _fused_models import FUSED, exact, tiny  # noqa: E402
 from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
-from torchpatches.ops import linear_gelu  # noqa: E402
-from torchpatches.ops._tiers import force_tier  # noqa: E402
+from torchpatches.ops import _linear_gelu as linear_gelu  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 

@@ -20,8 +20,8 @@ from _fused_models import (DEVICE, FUSED, exact, regional_compile_run, reverted,
                            same, tiny)
 from diffusers.models import normalization  # noqa: E402
 from diffusers.models.transformers import transformer_qwenimage as qwen  # noqa: E402
-from torchpatches._harness import build_model, count_kernels, tiny_inputs  # noqa: E402
-from torchpatches.ops._tiers import force_tier  # noqa: E402
+from harness import build_model, count_kernels, tiny_inputs  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
 from torchpatches.patches import _qwenimage_tables  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
@@ -87,7 +87,7 @@ TRITON_FP32_EPS = 4
 
 def _model_with_head_dim(head_dim: int, heads: int = 2, dtype: torch.dtype = torch.float32):
     """qwenimage-fused (2 blocks, padded text mask) with another head dim / head count, built as build_model does."""
-    from torchpatches._harness import CONFIGS
+    from harness import CONFIGS
 
     class_name, config = CONFIGS["qwenimage-fused"]
     config = {**config, "attention_head_dim": head_dim, "num_attention_heads": heads,
@@ -377,7 +377,7 @@ def test_subclasses_get_their_own_code(calls: Dict[str, int]) -> None:
 def test_zero_cond_t_edit_model_steps_aside_in_the_block(calls: Dict[str, int]) -> None:
     """QwenImage-Edit-2511's ``zero_cond_t`` (per-token modulation of the reference image through
     ``modulate_index``): the blocks run diffusers' code, the processors stay fused."""
-    from torchpatches._harness.models import CONFIGS
+    from harness import CONFIGS
 
     name = "qwenimage-fused"
     CONFIGS["qwenimage-fused-zero-cond"] = (CONFIGS[name][0], dict(CONFIGS[name][1], zero_cond_t=True))
@@ -450,7 +450,7 @@ def test_compile_same_kernels_and_outputs(calls: Dict[str, int], record_property
 def test_compile_reads_the_processor_signature_without_a_graph_break(calls: Dict[str, int]) -> None:
     """Attention.forward reads the processor's signature under compile too: an attention kwarg the processor
     does not take (diffusers warns and drops it) compiles in one graph, as without the patterns."""
-    from torchpatches._harness import graph_report
+    from harness import graph_report
 
     model, inputs = _model()
     inputs["attention_kwargs"] = {"not_a_parameter": 1}

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import torchpatches
-from torchpatches._capture import capture
-from torchpatches.ops._tiers import force_tier
+from torchpatches._doctor.capture import capture
+from torchpatches.ops import force_tier
 
 from _fused_models import FUSED, MODELS, tiny
 

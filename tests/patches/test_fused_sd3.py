@@ -23,8 +23,8 @@ pytest.importorskip("diffusers")
 import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, exact_run, reverted, run, run_hooked, tiny  # noqa: E402
 from diffusers.models import attention, attention_processor, normalization  # noqa: E402,F401
-from torchpatches._harness import build_model, tiny_inputs  # noqa: E402
-from torchpatches.ops._tiers import force_tier  # noqa: E402
+from harness import build_model, tiny_inputs  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 

@@ -25,7 +25,7 @@ import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, MODELS, reverted, run, tiny  # noqa: E402
 from diffusers.models import normalization  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
-from torchpatches.ops.modulate import force_tier  # noqa: E402
+from torchpatches.ops._modulate import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 
@@ -88,7 +88,7 @@ def test_forward_ad_gets_diffusers_tangent(which: str, tier: str, calls: Dict[st
 @pytest.mark.parametrize("tier", TIERS)
 def test_rope_patch_alone_gets_diffusers_tangent(tier: str) -> None:
     """The rope patch's kernel writes results autograd's forward mode cannot see: diffusers' function runs."""
-    from torchpatches.ops import rope
+    from torchpatches.ops import _rope as rope
 
     model, inputs = tiny("flux2")
     with torchpatches.disabled(*FUSED, "rope"):

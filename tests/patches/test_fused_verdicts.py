@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from _fused_models import reverted, run, tiny  # noqa: E402
-from torchpatches.ops._tiers import force_tier  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
 from torchpatches.patches import _fused_common  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")

@@ -20,7 +20,7 @@ import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, exact_run, reverted, run, run_hooked  # noqa: E402
 from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_wan  # noqa: E402
-from torchpatches.ops._tiers import force_tier  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
 from torchpatches.patches import wan_qk_norm_rope  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
@@ -33,7 +33,7 @@ EXPECTED = {"modulate": 8, "rms_norm_rope": 4}
 def tiny(name: str, dtype: torch.dtype = torch.float32, config: str = "wan-fused"):
     """The harness's ``wan-fused`` (2 blocks) on 2 frames of 4 x 4 latents: 8 video tokens, 8 text tokens
     (few token rows keep Triton's interpreter quick)."""
-    from torchpatches._harness import build_model, tiny_inputs
+    from harness import build_model, tiny_inputs
 
     assert name == "wan"
     model = build_model(config, dtype=dtype, device=DEVICE)

@@ -25,10 +25,11 @@ import pytest
 import torch
 
 import torchpatches
-from torchpatches import _cache_key, _harness as harness
-from torchpatches._gates import fingerprint, release_version
-from torchpatches._slot import MARK_PATCH
-from torchpatches._cache_key import cache_token
+from torchpatches._core import cache_key as _cache_key
+import harness
+from torchpatches._core.gates import fingerprint, release_version
+from torchpatches._core.slot import MARK_PATCH
+from torchpatches._core.cache_key import cache_token
 from torchpatches.patches import inductor_realize
 from torchpatches.patches.inductor_realize import (
     FINGERPRINT_TORCH_2_11_0,
@@ -198,7 +199,7 @@ def test_disable_env_keeps_the_original() -> None:
     code = textwrap.dedent(
         """
         import torch, torchpatches, torch._inductor.ir as ir
-        from torchpatches._gates import fingerprint
+        from torchpatches._core.gates import fingerprint
         state = torchpatches.status()["inductor_realize"]
         print(state.state.value, fingerprint(ir.StorageBox.should_realize_on_reuse), repr(torch.compiler.config.cache_key_tag))
         """
@@ -507,7 +508,7 @@ def test_cache_key_in_process(tmp_path: Path, only_this_patch: Path) -> None:
 
 _SUBPROCESS_COMPILE = textwrap.dedent(
     """
-    import json, sys, torch, torchpatches, torchpatches._cache_key
+    import json, sys, torch, torchpatches, torchpatches._core.cache_key
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
@@ -532,7 +533,7 @@ _SUBPROCESS_COMPILE = textwrap.dedent(
         return {
             "state": torchpatches.status()["inductor_realize"].state.value,
             "tag": torch.compiler.config.cache_key_tag,
-            "key_component": list(torchpatches._cache_key.key_component()),
+            "key_component": list(torchpatches._core.cache_key.key_component()),
             "buffers": code.count("empty_strided_cpu("),
             "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
             "fx_miss": counters["inductor"]["fxgraph_cache_miss"],

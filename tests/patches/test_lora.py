@@ -22,9 +22,9 @@ diffusers = pytest.importorskip("diffusers")
 import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, patterns_applied, tiny  # noqa: E402
 from peft.tuners.lora import layer as lora_layer  # noqa: E402  (the target loads: the patch applies)
-from torchpatches import _gates  # noqa: E402
-from torchpatches.ops import lora as ops  # noqa: E402
-from torchpatches.ops._tiers import force_tier  # noqa: E402
+from torchpatches._core import gates as _gates  # noqa: E402
+from torchpatches.ops import _lora as ops  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
 
 #: The modules issue 17 puts rank-64 adapters on (here rank 4), FLUX.1's double and single blocks.
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -175,7 +175,7 @@ def test_one_adapter_fp32_bit_identical(calls: List[Tuple[int, bool]]) -> None:
 
 def test_served_layers_skip_the_ops_checked_entry(calls: List[Tuple[int, bool]],
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pattern has checked what ``ops.lora.lora_linear`` checks, so it takes the epilogue directly (host
+    """The pattern has checked what ``ops.lora_linear`` checks, so it takes the epilogue directly (host
     time); the result is the same."""
     model, inputs = flux()
     ref = forward(model, inputs)

@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from torchpatches._harness import build_model, tiny_inputs  # noqa: E402
-from torchpatches._slot import MARK_ORIGINAL  # noqa: E402
+from harness import build_model, tiny_inputs  # noqa: E402
+from torchpatches._core.slot import MARK_ORIGINAL  # noqa: E402
 from torchpatches.patches import qwenimage_text_seq_len  # noqa: E402
 
 CUDA = os.environ.get("TORCHPATCHES_TEST_DEVICE") == "cuda"

@@ -20,7 +20,8 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from torchpatches import _gates, _harness as testing  # noqa: E402
+from torchpatches._core import gates as _gates  # noqa: E402
+import harness as testing  # noqa: E402
 from torchpatches.patches import rope as rope_patch  # noqa: E402
 
 from diffusers.models import embeddings  # noqa: E402
@@ -305,7 +306,7 @@ def test_tiny_flux_compiled_fullgraph_same_kernels_and_outputs(
     # The alternative, with the Triton tier (on the CPU: an opaque custom op running Triton's
     # interpreter) so the graph has the same shape as on a GPU: RoPE as a call Inductor cannot fuse.
     pytest.importorskip("triton")
-    from torchpatches.ops import rope as rope_op
+    from torchpatches.ops import _rope as rope_op
 
     # The alternative the patch decided against: the op stays in the graph while compiling.
     op_kept_under_compile = testing.replacing(rope_patch.PATCH, testing.rope_op_under_compile)

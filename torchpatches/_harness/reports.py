@@ -34,7 +34,7 @@ class GraphReport(NamedTuple):
     output: Any = None  # the fullgraph-compiled call's result (with a backend)
     seconds: float = 0.0  # compile and first call with fullgraph=True (with a backend)
     # Every graph break Dynamo logged during the explain run, as the doctor captures them
-    # (torchpatches._capture: file, line, reason, traced stack), including those explain does not count.
+    # (torchpatches._doctor.capture: file, line, reason, traced stack), including those explain does not count.
     sites: Tuple[Any, ...] = ()
 
     @property
@@ -53,7 +53,7 @@ def graph_report(fn: Callable[..., Any], *args: Any, backend: Optional[str] = No
     """
     import torch._dynamo
 
-    from .._capture import capture
+    from .._doctor.capture import capture
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._launch import launch as launch_kernel
-from ._triton_common import KINDS, _div_rn, _exp, _log1p, _mul_rn, _round_to, cdiv, for_devices, next_pow2
+from ._runtime.launch import launch as launch_kernel
+from ._runtime.triton_common import KINDS, _div_rn, _exp, _log1p, _mul_rn, _round_to, cdiv, for_devices, next_pow2
 
 #: Elements per program: 16 rows of a 128-wide head.
 _TILE = 2048

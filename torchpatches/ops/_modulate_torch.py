@@ -1,4 +1,4 @@
-"""PyTorch tier of ``ops/modulate.py``: the models' own op sequences, so it rounds exactly where they do.
+"""PyTorch tier of ``ops/_modulate.py``: the models' own op sequences, so it rounds exactly where they do.
 
 ``scale``, ``shift`` and ``gate`` are ``[B, D]`` or ``[B, S or 1, D]`` (a ``[B, D]`` one gets its token dim
 here, as diffusers' ``[:, None]``). ``once``:

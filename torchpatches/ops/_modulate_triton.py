@@ -24,8 +24,8 @@ from typing import Any, Mapping, Optional
 import torch
 import triton.language as tl
 
-from ._launch import launch as launch_kernel
-from ._triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
+from ._runtime.launch import launch as launch_kernel
+from ._runtime.triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
 
 
 def _modulate_kernel(
@@ -132,7 +132,7 @@ def launch(
     affine: bool = False,
 ) -> None:
     """``residual``, ``y`` and the outputs ``[B, S, D]``, the vectors ``[B, D]`` or ``[B, S or 1, D]``, all
-    with a unit-stride last dim (checked by ``ops/modulate.py``); ``affine``: ``scale``/``shift`` are the
+    with a unit-stride last dim (checked by ``ops/_modulate.py``); ``affine``: ``scale``/``shift`` are the
     LayerNorm's ``[D]`` weight and bias."""
     B, S, D = residual.shape
     if B * S == 0:

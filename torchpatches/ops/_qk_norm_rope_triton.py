@@ -16,7 +16,7 @@ The "text" group is whichever group comes first in the output (the caller swaps 
 image-first order).
 
 Inputs are 4-D ``[B, S, H, D]`` views with a unit-stride head dim; the image tensors share one set of
-strides and the text tensors another (``ops/qk_norm_rope.py`` guarantees both).
+strides and the text tensors another (``ops/_qk_norm_rope.py`` guarantees both).
 
 This module imports triton: import it only when the Triton tier is used.
 """
@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 import triton.language as tl
 
-from ._launch import launch as launch_kernel
-from ._triton_common import KINDS, _round_to, _rsqrt, _sum_combine, cdiv, for_devices, next_pow2
+from ._runtime.launch import launch as launch_kernel
+from ._runtime.triton_common import KINDS, _round_to, _rsqrt, _sum_combine, cdiv, for_devices, next_pow2
 
 
 def _qk_norm_rope_kernel(

@@ -16,8 +16,8 @@ from typing import Optional
 import torch
 import triton.language as tl
 
-from ._launch import launch as launch_kernel
-from ._triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
+from ._runtime.launch import launch as launch_kernel
+from ._runtime.triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_combine, for_devices, next_pow2
 
 
 def _rms_norm_rope_kernel(

@@ -10,9 +10,9 @@ from typing import Optional
 
 import torch
 
-from .._compat import is_compiling
-from . import _args
-from ._memory import check_no_overlap
+from .._core.compat import is_compiling
+from ._runtime import args as _args
+from ._runtime.memory import check_no_overlap
 
 
 

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from .._lazy import lazy_module
-from ._dispatch import plain_eager
+from .._core.lazy import lazy_module
+from ._runtime.dispatch import plain_eager
 from ._rope_checks import bshd, positions_2d
 
 

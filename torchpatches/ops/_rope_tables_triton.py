@@ -1,7 +1,7 @@
 """Triton kernel of ``ops.rope_tables``: FLUX's rotary cos / sin tables in one launch.
 
 For row ``s`` and half-column ``j`` (axis ``axis_of[j]``, frequency ``freqs[j]``, both precomputed by
-``ops/rope_tables.py`` with diffusers' own ops), the kernel computes what ``get_1d_rotary_pos_embed`` does with
+``ops/_rope_tables.py`` with diffusers' own ops), the kernel computes what ``get_1d_rotary_pos_embed`` does with
 ``torch.outer`` and ``repeat_interleave``: ``angle = float64(float32(ids[s, axis])) * freqs[j]`` (one fp64
 rounding), ``cos(angle)`` and ``sin(angle)`` in fp64, each rounded once to fp32 and written to columns ``2j`` and
 ``2j + 1``. Compiled kernels call libdevice's ``cos`` / ``sin`` (the CUDA math library torch's fp64 kernels
@@ -15,7 +15,7 @@ import torch
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_common import for_devices, launch_kernel, next_pow2
+from ._runtime.triton_common import for_devices, launch_kernel, next_pow2
 
 
 def _rope_tables_kernel(ids_ptr, freqs_ptr, axis_ptr, cos_ptr, sin_ptr, S, HALF, ids_ss, ids_sa,

@@ -14,8 +14,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .._compat import assume_constant, emit_log_once, emit_warning_once, reset_once
-from . import _tiers
+from .._core.compat import assume_constant, emit_log_once, emit_warning_once, reset_once
+from ._runtime import tiers as _tiers
 from ._rope_library import ensure_triton_ops, flashinfer_rope
 
 log = logging.getLogger("torchpatches")

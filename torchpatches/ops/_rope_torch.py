@@ -2,7 +2,7 @@
 
 Math is diffusers' ``apply_rotary_emb`` (``use_real=True``): ``out = x * cos + rotate(x) * sin`` in
 fp32, cast back to x's dtype, on the first ``rotary_dim`` elements of every head; the tail passes
-through. All functions take 4-D ``[B, S, H, D]`` views (``ops/rope.py`` makes them from the public
+through. All functions take 4-D ``[B, S, H, D]`` views (``ops/_rope.py`` makes them from the public
 layouts without copying), so in-place writes land in the caller's tensor.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def full_cos_sin(
     """
     if positions is not None:
         # Rows outside the cache give NaN, never a read outside it: under torch.compile (and on a GPU)
-        # nothing checks positions before this runs (see ops/rope.py), and an index Inductor does
+        # nothing checks positions before this runs (see ops/_rope.py), and an index Inductor does
         # not bound-check, or Python's wrap-around for -1, would give a plausible wrong answer.
         rows = cos.shape[0]
         index = positions.long()

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch as launch_kernel
+from ._runtime.launch import launch as launch_kernel
 
 
 def _rotate_heads(

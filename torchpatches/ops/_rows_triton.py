@@ -19,7 +19,7 @@ import torch
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._triton_common import _round_to, for_devices, launch_rows
+from ._runtime.triton_common import _round_to, for_devices, launch_rows
 
 def _rows_kernel(x_ptr, o_ptr, N, x_sr, o_sr, BLOCK: tl.constexpr, ACT: tl.constexpr, KIND: tl.constexpr,
                  LIBDEVICE: tl.constexpr):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._triton_common import _exp, _round_to, for_devices, launch_rows
+from ._runtime.triton_common import _exp, _round_to, for_devices, launch_rows
 
 def _swiglu_kernel(x_ptr, o_ptr, F, x_sr, o_sr, BLOCK: tl.constexpr, KIND: tl.constexpr,
                    LIBDEVICE: tl.constexpr):

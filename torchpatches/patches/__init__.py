@@ -1,4 +1,4 @@
-"""One module per patch; each exports ``PATCH`` (a :class:`torchpatches._declare.Patch`)."""
+"""One module per patch; each exports ``PATCH`` (a :class:`torchpatches._core.declare.Patch`)."""
 
 #: Patch modules in the order they apply and are reported: compile-time patches, the FLUX eager fusions, those
 #: of SD3, Wan and QwenImage, then peft's LoRA layers and diffusers' LoRA scale walk, then context parallelism's

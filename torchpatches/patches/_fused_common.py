@@ -42,10 +42,10 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from .._compat import is_compiling
-from .._declare import Target
-from .._slot import MARK_ORIGINAL, MARK_PATCH
-from ..ops._tiers import FLOAT_DTYPES, eager_transforms, forced_tier
+from .._core.compat import is_compiling
+from .._core.declare import Target
+from .._core.slot import MARK_ORIGINAL, MARK_PATCH
+from ..ops._runtime.tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
 __all__ = ["FALLBACK", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT", "LINEAR", "DROPOUT", "fused",
            "steps_aside", "fusable", "stock", "linear", "dropout", "plain_layer_norm", "plain_rms_norm", "tensors_fit",

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._lazy import lazy_module
+from .._core.lazy import lazy_module
 from ._fused_common import FALLBACK, fusable, pattern_on, stock
 
 __all__ = ["LAYER", "lora_linear", "lora_gelu"]
@@ -102,7 +102,7 @@ def _weights_if_served(layer: Any, x: Any) -> Optional[tuple]:
 
 
 #: ``torchpatches.ops.lora``, imported with the first served call.
-_lora_ops = lazy_module("torchpatches.ops.lora")
+_lora_ops = lazy_module("torchpatches.ops._lora")
 
 
 # Both calls take ops.lora's epilogue tier without its checks: _weights_if_served has checked every tensor (plain,

@@ -6,7 +6,7 @@ FLUX.2, ``[B, S, D]`` in FLUX.2's KV-cache blend) and runs the fused op when eve
 ``modulated_once`` is the other rounding mode: Wan's fp32 compute, rounded once (``.type_as``).
 
 What the helpers check before they fuse is everything the op's public entries check (with ``fusable`` and
-``steps_aside`` in the pattern that calls them), so they call ``ops.modulate.prechecked``, which skips the
+``steps_aside`` in the pattern that calls them), so they call ``ops.prechecked``, which skips the
 second round of checks (host time: 191 calls per FLUX.1 step).
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from .._lazy import lazy_module
-from ..ops._tiers import FLOAT_DTYPES
+from .._core.lazy import lazy_module
+from ..ops._runtime.tiers import FLOAT_DTYPES
 from ._fused_common import pattern_on, plain_layer_norm
 
 
@@ -50,7 +50,7 @@ def _vectors_fit(x: torch.Tensor, *vectors: Optional[torch.Tensor], rounding: st
 
 
 #: ``torchpatches.ops.modulate``, imported at the first fused call (importing it registers torch.library ops).
-modulate_ops = lazy_module("torchpatches.ops.modulate")
+modulate_ops = lazy_module("torchpatches.ops._modulate")
 
 
 def modulated(norm: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *, fuse: bool) -> torch.Tensor:

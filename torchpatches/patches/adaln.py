@@ -12,7 +12,7 @@ What goes wrong upstream
 What the patch changes
     The three ``forward`` methods run the embedding Linear as before (``self.linear(self.silu(emb))``,
     so LoRA layers and hooks on it keep working; a stock ``nn.Linear`` is called as its ``forward`` would,
-    ``F.linear``, without the module call path) and then ``torchpatches.ops.modulate.layer_norm_modulate``:
+    ``F.linear``, without the module call path) and then ``torchpatches.ops.layer_norm_modulate``:
     one pass that reads ``x`` once and writes the modulated output once. The same kernel is used for the
     LayerNorm + modulate that FLUX.1's double block (``norm2``) and FLUX.2's blocks write inline, by the
     ``gate_residual`` patch while this one is applied. Every call the kernel does not cover goes to
@@ -25,7 +25,7 @@ What the patch changes
 Tolerance
     Bit-identical to diffusers except where the fp32 LayerNorm statistics differ in their last bit
     from torch's (another summation order) and that crosses a rounding boundary: one ulp of the
-    LayerNorm output, carried through the modulation (``ops/modulate.py``).
+    LayerNorm output, carried through the modulation (``ops/_modulate.py``).
 
 Versions
     diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4 (tested on 2.11 and 2.13; GPU on
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch
+from .._core.declare import Patch
 from ._fused_common import FALLBACK, FUSED_REQUIRES, LAYER_NORM, LINEAR, fusable, fused_target, linear, plain_layer_norm
 from ._modulate_calls import modulated
 

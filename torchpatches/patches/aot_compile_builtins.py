@@ -28,7 +28,7 @@ import builtins
 import pickle
 from typing import Any, Callable, Dict
 
-from torchpatches._declare import Patch, Target
+from .._core.declare import Patch, Target
 
 __all__ = ["PATCH", "make_replacement", "FINGERPRINT_TORCH_2_11_0"]
 

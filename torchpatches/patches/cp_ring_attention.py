@@ -33,7 +33,7 @@ What the patch changes
       plain tensor, so the views and the attention call that follow are plain torch calls;
     - with ``convert_to_fp32`` each merge is one ``ops.lse_merge`` call (its Triton tier on CUDA computes
       diffusers' fp32 steps with the functions torch's kernels call: bit-identical but where an fp32
-      intermediate is subnormal, see ``ops/lse_merge.py``; its PyTorch tier elsewhere is diffusers' code).
+      intermediate is subnormal, see ``ops/_lse_merge.py``; its PyTorch tier elsewhere is diffusers' code).
       The first partial output is read in the backend's dtype (its fp32 copy is exact), the last merge writes
       the query's dtype (the final cast's rounding).
 
@@ -67,9 +67,9 @@ from typing import Any, Callable, Tuple
 
 import torch
 
-from .._compat import is_compiling
-from .._declare import Patch, Target
-from ..ops._tiers import FLOAT_DTYPES, eager_transforms
+from .._core.compat import is_compiling
+from .._core.declare import Patch, Target
+from ..ops._runtime.tiers import FLOAT_DTYPES, eager_transforms
 from ._direct_collectives import direct_fits, distributed_missing, gather_into_tensor, ints_of_every_rank
 
 __all__ = ["PATCH"]
@@ -105,7 +105,7 @@ def _gathered_with(process_group: type) -> Any:
 
 def _lse_merge() -> Callable[..., Tuple[torch.Tensor, torch.Tensor]]:
     # registers its torch.library op: loaded with the targets (each replacement calls this once), not the package
-    from ..ops.lse_merge import lse_merge
+    from ..ops._lse_merge import lse_merge
 
     return lse_merge
 

@@ -56,9 +56,9 @@ from typing import Any, Callable, List
 
 import torch
 
-from .._compat import is_compiling
-from .._declare import Patch, Target
-from ..ops._tiers import eager_transforms
+from .._core.compat import is_compiling
+from .._core.declare import Patch, Target
+from ..ops._runtime.tiers import eager_transforms
 from ._direct_collectives import direct_fits, distributed_missing, ints_of_every_rank
 
 __all__ = ["PATCH"]

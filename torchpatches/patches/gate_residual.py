@@ -17,10 +17,10 @@ What the patch changes
     (norm1, attention, feed-forward, projections: LoRA layers and hooks on them keep working; a stock
     attention module's processor is called as its ``forward`` would, below) and replace the tensor glue:
 
-    - ``residual + gate * out`` by ``ops.modulate.gate_residual`` (one pass), with the fp16 clip where
+    - ``residual + gate * out`` by ``ops.gate_residual`` (one pass), with the fp16 clip where
       diffusers clips;
     - ``h = h + gate * attn`` followed by the inline LayerNorm + modulate by
-      ``ops.modulate.gate_residual_layer_norm_modulate`` (one pass, two outputs) while the ``adaln`` patch
+      ``ops.gate_residual_layer_norm_modulate`` (one pass, two outputs) while the ``adaln`` patch
       is applied, and FLUX.2's inline pre-attention LayerNorm + modulate by ``layer_norm_modulate``;
     - FLUX.1 single block: the input concat is a view when the two inputs are adjacent slices of one
       tensor (every single block after the first), and ``gelu(proj_mlp(x))`` is written straight into the
@@ -56,8 +56,8 @@ from typing import Any, Tuple
 
 import torch
 
-from .._declare import Patch, Target
-from .._lazy import lazy_module
+from .._core.declare import Patch, Target
+from .._core.lazy import lazy_module
 from ._fused_common import (CAT, FALLBACK, FLOAT_DTYPES, FUSED_REQUIRES, GELU, LAYER_NORM, LINEAR, fusable,
                             fused_target, linear, pattern_on, stock)
 from ._modulate_calls import modulated, residual, residual_modulated
@@ -99,7 +99,7 @@ def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 
 
 #: ``torchpatches.ops.slices``, imported at the first fused call (it registers torch.library ops).
-_slices_ops = lazy_module("torchpatches.ops.slices")
+_slices_ops = lazy_module("torchpatches.ops._slices")
 
 
 def _plain(t: Any) -> bool:

@@ -9,7 +9,7 @@ What goes wrong upstream
     ``torch._addmm_activation(bias, x, W.T, use_gelu=True)``, which diffusers does not use.
 
 What the patch changes
-    ``GELU.forward`` calls ``torchpatches.ops.linear_gelu.linear_gelu_tanh`` with ``self.proj``'s weight
+    ``GELU.forward`` calls ``torchpatches.ops.linear_gelu_tanh`` with ``self.proj``'s weight
     and bias when the projection is a stock, unhooked ``nn.Linear`` with a bias, on CUDA in bf16/fp16,
     without gradients; a peft LoRA-wrapped ``proj`` goes to the ``lora`` pattern's GELU epilogue while ``lora``
     is applied (``patches/_lora_calls.lora_gelu``); everything else (exact GELU, a subclass overriding ``gelu``,
@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from .._declare import Patch
+from .._core.declare import Patch
 from ._fused_common import FALLBACK, FUSED_REQUIRES, GELU, fusable, fused_target, stock
 from ._lora_calls import lora_gelu
 
@@ -44,7 +44,7 @@ _ACTIVATIONS = "diffusers.models.activations"
 
 
 def _gelu_gemm(self, hidden_states):
-    from ..ops import linear_gelu as ops  # lazily: with the target
+    from ..ops import _linear_gelu as ops  # lazily: with the target
 
     proj = self.proj
     if not (

@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
-from torchpatches._declare import Patch, Target
+from .._core.declare import Patch, Target
 
 __all__ = ["PATCH", "make_replacement", "DeferredText"]
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from torchpatches._declare import Patch, Target
+from .._core.declare import Patch, Target
 
 __all__ = ["PATCH", "make_replacement", "FINGERPRINT_TORCH_2_11_0"]
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from torchpatches._declare import Patch, Target
+from .._core.declare import Patch, Target
 
 __all__ = ["PATCH", "make_replacement", "materialize_is_cheaper", "FINGERPRINT_TORCH_2_11_0", "ORIGINALS"]
 

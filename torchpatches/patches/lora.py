@@ -27,7 +27,7 @@ What the patch changes
 
 Tolerance
     fp32: bit-identical to peft when each scaling is a power of two (``lora_alpha / r`` usually is), otherwise
-    within the GEMM's own error bound (the GEMM applies ``alpha`` itself: ``ops/lora.py``). bf16/fp16: one
+    within the GEMM's own error bound (the GEMM applies ``alpha`` itself: ``ops/_lora.py``). bf16/fp16: one
     rounding of the sum where peft rounds three times (``lora_B``'s output, the product, the sum): the fused
     result is the more accurate, and from peft's at the summands' magnitude at most 1 ulp per adapter whose
     scaling is a power of two, 2 per adapter otherwise (peft rounds the unscaled product before scaling it), one
@@ -43,7 +43,7 @@ When to delete
 """
 from __future__ import annotations
 
-from .._declare import Patch, Target
+from .._core.declare import Patch, Target
 from ._fused_common import FALLBACK, fused
 from ._lora_calls import LAYER, lora_linear
 

@@ -40,8 +40,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .._compat import is_compiling
-from .._declare import Patch, Target
+from .._core.compat import is_compiling
+from .._core.declare import Patch, Target
 
 __all__ = ["PATCH", "tuner_layers"]
 

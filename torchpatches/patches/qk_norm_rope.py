@@ -14,7 +14,7 @@ What the patch changes
     (module calls, so LoRA layers and hooks on them keep working; a stock ``nn.Linear`` projection, and a stock
     ``nn.Dropout`` in eval mode after ``to_out``, are called as their ``forward`` would, without the module call
     path: about 5 us of host time each, 300 per FLUX.1-dev step) and replace the stretch in between
-    by ``torchpatches.ops.qk_norm_rope.qk_norm_rope``: one launch that normalizes q and k per head,
+    by ``torchpatches.ops.qk_norm_rope``: one launch that normalizes q and k per head,
     rotates them and writes q, k (and v) straight into the contiguous joint ``[B, S_txt + S_img, H, D]``
     tensors. For FLUX.2's single blocks, while the ``swiglu`` patch is applied, the SwiGLU output is
     written straight into the buffer ``to_out`` reads (only the attention output is copied into it).
@@ -31,7 +31,7 @@ What the patch changes
 
 Tolerance
     torch's fused RMSNorm then diffusers' RoPE, rounding at the same two points; fp32 reduction order
-    and fused multiply-adds may move a result by one ulp (``ops/qk_norm_rope.py``).
+    and fused multiply-adds may move a result by one ulp (``ops/_qk_norm_rope.py``).
 
 Versions
     diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4.
@@ -46,8 +46,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._declare import Patch
-from .._lazy import lazy_module
+from .._core.declare import Patch
+from .._core.lazy import lazy_module
 from ._fused_common import (CAT, DROPOUT, FALLBACK, FLOAT_DTYPES, FUSED_REQUIRES, LINEAR, RMS_NORM, SILU, dropout,
                             fusable, fused_target, linear, pattern_on, plain_rms_norm, remembered, stock)
 
@@ -121,7 +121,7 @@ def _projections_fit(x: torch.Tensor, group: tuple) -> bool:
 
 
 #: ``torchpatches.ops.qk_norm_rope``, imported at the first fused call (it registers torch.library ops).
-_qk_ops = lazy_module("torchpatches.ops.qk_norm_rope")
+_qk_ops = lazy_module("torchpatches.ops._qk_norm_rope")
 
 
 def _fused_qkv(attn: Any, query, key, value, encoder_query, encoder_key, encoder_value, image_rotary_emb, joint):
@@ -269,8 +269,8 @@ def _swiglu_into(module: Any, attn: Any, mlp_hidden_states: torch.Tensor, attn_o
             and attn_output.dtype == mlp_hidden_states.dtype and type(attn_output) is torch.Tensor
             and attn_output.shape[:2] == mlp_hidden_states.shape[:2] and mlp_hidden_states.shape[-1] % 2 == 0):
         return None
-    from ..ops.slices import copy_into
-    from ..ops.swiglu import swiglu
+    from ..ops._slices import copy_into
+    from ..ops._swiglu import swiglu
 
     width = attn_output.shape[-1]
     buf = attn_output.new_empty((*attn_output.shape[:2], width + mlp_hidden_states.shape[-1] // 2))

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch
+from .._core.declare import Patch
 from ._fused_common import (FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, plain_layer_norm,
                             remembered)
 from ._modulate_calls import modulated, residual, residual_modulated

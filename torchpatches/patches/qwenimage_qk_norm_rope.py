@@ -15,7 +15,7 @@ What the patch changes
     (module calls: LoRA layers and hooks on them keep working; a stock ``nn.Linear`` or eval-mode ``nn.Dropout``
     is called as its ``forward`` would, without the module call path, ``_fused_common.linear``), and replaces the
     stretch in between by
-    ``torchpatches.ops.qk_norm_rope.qk_norm_rope(rounding="each")``: one launch that
+    ``torchpatches.ops.qk_norm_rope(rounding="each")``: one launch that
     normalizes q and k per head as diffusers' ``RMSNorm`` rounds, rotates them and writes q, k and v
     straight into the joint ``[B, S_txt + S_img, H, D]`` tensors. The complex freqs become the op's
     fp32 ``cos``/``sin`` tables once per step, and the joint mask is built once per step
@@ -41,7 +41,7 @@ Tolerance
     complex product contracts everywhere; the same change should make the tier exact there (not measured).
     The Triton kernel rounds at the same points; fp32 reduction order and fused multiply-adds move the
     stretch's q/k by up to 2.6 eps x a head's largest value, the tiny fp32 model's output by at most
-    3.1 eps x max|out| (7.2e-7 at head dim 12; ``ops/qk_norm_rope.py``).
+    3.1 eps x max|out| (7.2e-7 at head dim 12; ``ops/_qk_norm_rope.py``).
 
 Versions
     diffusers 0.42.x (fingerprint verified on 0.42.1; 0.42.0's source of the target is the same); torch >= 2.4.
@@ -57,7 +57,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._declare import Patch, Target
+from .._core.declare import Patch, Target
 from ._fused_common import CAT, DROPOUT, FALLBACK, LINEAR, dropout, fusable, fused, linear, remembered, stock
 from ._qwenimage_tables import joint_mask, rope_tables
 
@@ -141,8 +141,8 @@ def _fused_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any, module: A
     tables = rope_tables(*image_rotary_emb, q.shape[1], s_txt, q.shape[-1], q.device)
     if tables is None:
         return None
-    from ..ops._tiers import choose_tier
-    from ..ops.qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
+    from ..ops._runtime.tiers import choose_tier
+    from ..ops._qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
 
     try:
         tier = choose_tier(q.device.type, None)  # never under autograd: fusable() leaves such calls to diffusers

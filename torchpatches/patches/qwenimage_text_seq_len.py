@@ -31,8 +31,8 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
-from .._compat import is_compiling
-from .._declare import Patch, Target
+from .._core.compat import is_compiling
+from .._core.declare import Patch, Target
 
 __all__ = ["PATCH"]
 

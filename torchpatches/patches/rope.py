@@ -15,7 +15,7 @@ What the patch changes
     FLUX.2 and FLUX.3 transformer modules, which import it by name. The replacement sends the
     form FLUX uses -- ``use_real=True``, ``use_real_unbind_dim=-1`` (interleaved pairs),
     ``sequence_dim`` 1 or 2, a 4-d fp32/bf16/fp16 ``x`` and a ``(cos, sin)`` tuple of fp32 ``[S, D]``
-    on x's device -- through ``torchpatches.ops.rope.apply_rope_qk`` (k=None), out of place, in x's
+    on x's device -- through ``torchpatches.ops.apply_rope_qk`` (k=None), out of place, in x's
     dtype. On CUDA that is one Triton kernel (the ``torchpatches::rope_qk_triton`` custom op);
     elsewhere the op's plain-PyTorch tier (FlashInfer does not take diffusers' per-token form).
     Every other form (complex freqs with ``use_real=False``, ``use_real_unbind_dim=-2``, other
@@ -57,9 +57,9 @@ from typing import Any, Callable, Tuple
 
 import torch
 
-from .._compat import is_compiling
-from .._declare import Patch, Target
-from ..ops._tiers import FLOAT_DTYPES, eager_transforms
+from .._core.compat import is_compiling
+from .._core.declare import Patch, Target
+from ..ops._runtime.tiers import FLOAT_DTYPES, eager_transforms
 
 logger = logging.getLogger("torchpatches")
 
@@ -103,7 +103,7 @@ def is_flux_call(x: Any, freqs_cis: Any, use_real: Any, use_real_unbind_dim: Any
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
     """One out-of-place op call in the FLUX layout (interleaved pairs, per-token cos/sin, k=None)."""
-    from ..ops.rope import apply_rope_qk
+    from ..ops._rope import apply_rope_qk
 
     out, _ = apply_rope_qk(x, None, cos, sin, interleaved=True, sequence_dim=sequence_dim)
     return out

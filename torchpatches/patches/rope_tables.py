@@ -12,7 +12,7 @@ What goes wrong upstream
     0.42.1.
 
 What the patch changes
-    Both forwards call ``torchpatches.ops.rope_tables.rope_tables`` (one Triton kernel; the fp64 frequency
+    Both forwards call ``torchpatches.ops.rope_tables`` (one Triton kernel; the fp64 frequency
     vectors are computed once per device with diffusers' own ops and kept) when ``ids`` is a plain 2-D CUDA
     tensor of a real float or integer dtype (FLUX.2's pipeline passes int64 ids) without gradients, with one
     column per axis (FLUX.1) or at least as many columns as axes (FLUX.2), and the axes are positive even ints;
@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch
-from .._lazy import lazy_module
-from ..ops._tiers import POSITION_DTYPES, forced_tier
+from .._core.declare import Patch
+from .._core.lazy import lazy_module
+from ..ops._runtime.tiers import POSITION_DTYPES, forced_tier
 from ._fused_common import CAT, FALLBACK, FUSED_REQUIRES, fused_target
 
 __all__ = ["PATCH"]
@@ -52,7 +52,7 @@ _FLUX2 = "diffusers.models.transformers.transformer_flux2"
 _ASSUMES = CAT + ("torch:arange", "torch:outer")
 
 #: ``torchpatches.ops.rope_tables``, imported at the first fused call (it registers a torch.library op).
-_tables = lazy_module("torchpatches.ops.rope_tables")
+_tables = lazy_module("torchpatches.ops._rope_tables")
 
 
 def _axes(self: Any) -> Any:

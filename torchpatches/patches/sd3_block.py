@@ -15,10 +15,10 @@ What the patch changes
     ``gate_residual`` patch does for FLUX's blocks:
 
     - ``h + gate_msa * attn`` then ``norm2(h) * (1 + scale_mlp) + shift_mlp`` by
-      ``ops.modulate.gate_residual_layer_norm_modulate`` (one pass, two outputs) while ``adaln`` is applied
-      (else ``ops.modulate.gate_residual`` and diffusers' LayerNorm + modulate); the same for the context
+      ``ops.gate_residual_layer_norm_modulate`` (one pass, two outputs) while ``adaln`` is applied
+      (else ``ops.gate_residual`` and diffusers' LayerNorm + modulate); the same for the context
       stream with ``norm2_context``;
-    - ``h + gate_mlp * ff`` (both streams) by ``ops.modulate.gate_residual``;
+    - ``h + gate_mlp * ff`` (both streams) by ``ops.gate_residual``;
     - the last, ``context_pre_only`` block: no context tail (diffusers returns None for it);
     - SD3.5-medium's dual-attention blocks (MMDiT-X): ``SD35AdaLayerNormZeroX`` (one LayerNorm, two
       modulations) as two ``layer_norm_modulate`` launches while ``adaln`` is applied (its SiLU a module
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch
+from .._core.declare import Patch
 from ._fused_common import (FALLBACK, FUSED_REQUIRES, LAYER_NORM, LINEAR, fusable, fused_target, linear, pattern_on,
                             plain_layer_norm, stock)
 from ._modulate_calls import modulated, residual, residual_modulated

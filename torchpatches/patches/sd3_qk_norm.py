@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .._declare import Patch
+from .._core.declare import Patch
 from ._fused_common import CAT, DROPOUT, FALLBACK, FUSED_REQUIRES, LINEAR, dropout, fusable, fused_target, linear, stock
 
 __all__ = ["PATCH"]
@@ -104,7 +104,7 @@ def _fused_qkv(attn: Any, q, k, v, eq, ek, ev) -> Optional[tuple]:
         return None
     if not _norms_fit(attn, q, joint):
         return None
-    from ..ops.qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
+    from ..ops._qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
 
     extra = dict(v=v)  # without text rows the op hands v back as given
     if joint:

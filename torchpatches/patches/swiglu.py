@@ -7,7 +7,7 @@ What goes wrong upstream
     blocks then concatenate the result with the attention output, one more full copy.
 
 What the patch changes
-    ``Flux2SwiGLU.forward`` calls ``torchpatches.ops.swiglu.swiglu`` (one Triton kernel) when ``gate_fn`` is
+    ``Flux2SwiGLU.forward`` calls ``torchpatches.ops.swiglu`` (one Triton kernel) when ``gate_fn`` is
     a stock, unhooked ``nn.SiLU`` and the input is a plain CUDA tensor without gradients; otherwise
     diffusers' forward. While this patch is applied, the ``qk_norm_rope`` patch's FLUX.2 single-block
     processor also writes the SwiGLU output straight into the ``[attention, MLP]`` buffer that
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .._declare import Patch
+from .._core.declare import Patch
 from ._fused_common import FALLBACK, FUSED_REQUIRES, SILU, fusable, fused_target, stock
 
 __all__ = ["PATCH"]
@@ -36,7 +36,7 @@ __all__ = ["PATCH"]
 def _swiglu(self, x):
     if not (fusable(x, (self,)) and x.dim() >= 2 and x.shape[-1] % 2 == 0 and stock(self.gate_fn, torch.nn.SiLU)):
         return FALLBACK
-    from ..ops.swiglu import swiglu  # lazily: importing an op registers torch.library ops
+    from ..ops._swiglu import swiglu  # lazily: importing an op registers torch.library ops
 
     return swiglu(x)
 

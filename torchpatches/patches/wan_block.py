@@ -30,7 +30,7 @@ What the patch changes
 Tolerance
     The gated residuals are bit-identical to diffusers (the same fp32 operations, one rounding); the
     LayerNorms are fp32 with another summation order (and fused multiply-adds on the GPU): one ulp of
-    the output dtype where that crosses a rounding boundary (``ops/modulate.py``).
+    the output dtype where that crosses a rounding boundary (``ops/_modulate.py``).
 
 Versions
     diffusers 0.42.x (fingerprint verified on 0.42.1); torch >= 2.4.
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .._declare import Patch
+from .._core.declare import Patch
 from ._fused_common import FALLBACK, FUSED_REQUIRES, LAYER_NORM, fusable, fused_target, stock
 from ._modulate_calls import _rows_fit, _vectors_fit, modulated_once, modulate_ops
 
@@ -88,7 +88,7 @@ def _gated_norm2(norm2: Any, h: torch.Tensor, gate: torch.Tensor, y: torch.Tenso
     """``h = (h.float() + y * gate).type_as(h)`` and ``norm2(h.float()).type_as(h)``: one pass when norm2 is
     the affine FP32LayerNorm; otherwise the residual fused and norm2 called as diffusers calls it."""
     if _affine(norm2, h) and _rows_fit(h, y) and _vectors_fit(h, gate, rounding="once"):
-        from ..ops import modulate as ops
+        from ..ops import _modulate as ops
 
         return ops.gate_residual_layer_norm(h, gate, y, norm2.weight, norm2.bias, eps=norm2.eps, rounding="once")
     h = _gated(h, gate, y, y_float=False)

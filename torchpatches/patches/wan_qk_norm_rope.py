@@ -13,7 +13,7 @@ What the patch changes
     does (module calls, so LoRA layers and hooks on them keep working; ``to_out``'s stock ``nn.Linear`` and
     eval-mode ``nn.Dropout`` are called as their ``forward`` would, ``_fused_common.linear``) and replaces the
     stretch in between
-    by ``torchpatches.ops.rms_norm_rope.rms_norm_rope``: one launch that normalizes q and k over their width
+    by ``torchpatches.ops.rms_norm_rope``: one launch that normalizes q and k over their width
     and (self-attention) rotates them; the cross-attention's q (image tokens) and k (text tokens) are
     normalized in one launch too. Everything else runs diffusers' own ``__call__``: the I2V image context
     (``add_k_proj``), ``torch.compile``, norms that are not stock ``torch.nn.RMSNorm(inner_dim)`` with a
@@ -27,7 +27,7 @@ What the patch changes
 
 Tolerance
     torch's fused RMSNorm then Wan's RoPE, rounding at the same two points; fp32 reduction order and fused
-    multiply-adds may move a result by one ulp (``ops/rms_norm_rope.py``).
+    multiply-adds may move a result by one ulp (``ops/_rms_norm_rope.py``).
 
 Versions
     diffusers 0.42.x (fingerprint verified on 0.42.1); torch >= 2.4.
@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 import torch
 
-from .._declare import Patch
+from .._core.declare import Patch
 from ._fused_common import (DROPOUT, FALLBACK, FUSED_REQUIRES, LINEAR, RMS_NORM, dropout, fusable, fused_target, linear,
                             plain_rms_norm, stock)
 
@@ -84,7 +84,7 @@ def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any
     cos = sin = None
     if rotary_emb is not None:
         cos, sin = (t[0, :, 0] for t in rotary_emb)  # [S, head_dim] views
-    from ..ops.rms_norm_rope import rms_norm_rope  # lazily: importing an op registers torch.library ops
+    from ..ops._rms_norm_rope import rms_norm_rope  # lazily: importing an op registers torch.library ops
 
     try:
         return rms_norm_rope(query, key, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,

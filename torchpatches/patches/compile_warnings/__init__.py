@@ -87,7 +87,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from ..._declare import LazyTargets, Patch, Target
+from ..._core.declare import LazyTargets, Patch, Target
 
 __all__ = ["PATCH"]
 

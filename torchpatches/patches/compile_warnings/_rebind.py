@@ -13,7 +13,7 @@ import textwrap
 import types
 from typing import Any, Dict, Mapping, Sequence, Tuple
 
-from ..._gates import future_flags
+from ..._core.gates import future_flags
 
 __all__ = ["rebind_globals"]
 

@@ -12,7 +12,7 @@ import sys
 import types
 from typing import Any, Callable, Dict, Mapping, Optional
 
-from ..._compat import is_compiling
+from ..._core.compat import is_compiling
 from ...compile import OnceLogger, constant_query, warn_once
 from ._rebind import rebind_globals
 

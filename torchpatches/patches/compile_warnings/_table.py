@@ -1,13 +1,13 @@
 """compile_warnings' targets: every forward-time warning site of diffusers' transformer models.
 
-Built when diffusers is first imported (:class:`torchpatches._declare.LazyTargets`), not at
+Built when diffusers is first imported (:class:`torchpatches._core.declare.LazyTargets`), not at
 ``import torchpatches``. The patch's banner is in ``__init__.py``.
 """
 from __future__ import annotations
 
 from typing import FrozenSet, Optional, Tuple, Union
 
-from ..._declare import Site, Target
+from ..._core.declare import Site, Target
 from ._replacements import dispatch_attention, lora_forward, rebind_deprecate, rebind_logger
 
 __all__ = ["targets", "NOT_COVERED"]

@@ -1,0 +1,270 @@
+"""adaLN-style fused ops for DiTs: LayerNorm + modulate, gate + residual, and both in one pass.
+
+Usable without any patching::
+
+    out = layer_norm_modulate(x, scale, shift, eps=1e-6)          # LN(x) * (1 + scale) + shift
+    h = gate_residual(residual, gate, y)                          # residual + gate * y
+    h, out = gate_residual_layer_norm_modulate(residual, gate, y, scale, shift, eps=1e-6)
+    h, out = residual_layer_norm_modulate(residual, y, scale, shift, eps=1e-6)  # residual + y, no gate
+    h, out = gate_residual_layer_norm(residual, gate, y, weight, bias, eps=1e-6)  # affine LN(h)
+
+``x``/``residual``/``y`` are ``[B, S, D]`` (last dim unit-stride; other strides free); ``scale``,
+``shift`` and ``gate`` are ``[B, D]`` (one vector per sample, diffusers' adaLN-Zero chunks),
+``[B, 1, D]`` (FLUX.2's modulation) or ``[B, S, D]`` (per-token, FLUX.2's KV-cache blend). The
+LayerNorm has no affine parameters (diffusers' ``elementwise_affine=False``), except in
+``gate_residual_layer_norm``: a LayerNorm with ``[D]`` weight and bias and no modulation (Wan's
+``cross_attn_norm``), ``round(LN(h) * weight + bias)`` computed in fp32 and rounded once, as torch's
+LayerNorm kernel. All tensors share one device; outputs are new contiguous tensors of ``x``'s dtype
+(fp32, bf16, fp16).
+
+Two rounding modes (``rounding=``):
+
+- ``"each"`` (default; diffusers' FLUX blocks): the vectors have ``x``'s dtype and every op rounds, as
+  below;
+- ``"once"`` (Wan's ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``): the vectors may have any
+  float dtype (Wan: an fp32 ``scale_shift_table``), everything is computed in fp32 and rounded once to
+  ``x``'s dtype (``h`` of the gated form too: ``(x.float() + y * gate).type_as(x)``).
+
+Numerics: what diffusers computes, rounded where diffusers rounds. In bf16 diffusers runs
+``LN(x)`` (fp32 statistics, one rounding), ``1 + scale``, ``* ``, ``+`` and ``gate * y``,
+``residual + ...`` as separate bf16 ops, each rounding its fp32 result; the fused kernel rounds at
+the same points (``_triton_common._round_to``), so results are bit-identical except where the fp32
+LayerNorm statistics differ in their last bit (another summation order) and that crosses a rounding
+boundary: then one ulp of the LayerNorm output, carried through the modulation. ``clip_fp16=True``
+applies diffusers' fp16 ``clip(-65504, 65504)`` to the residual output.
+
+Tiers (``_tiers``): Triton on CUDA (one program per token row), PyTorch elsewhere (the reference) and
+for every call autograd records (the kernel has no backward; ``tier="triton"`` then raises
+``ValueError``). Traced, each function is one ``torchpatches::modulate`` custom op with a fake
+(``_dispatch``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._core.lazy import lazy_module
+from ._runtime import args as _args, dispatch as _dispatch
+from . import _modulate_torch
+from ._runtime.tiers import FLOAT_DTYPES, choose_tier, force_tier, needs_grad
+
+__all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate",
+           "residual_layer_norm_modulate", "gate_residual_layer_norm", "force_tier", "ROUNDINGS"]
+
+#: ``"each"``: diffusers' rounding after every op; ``"once"``: fp32 compute rounded once (Wan's ``.type_as``).
+ROUNDINGS = ("each", "once")
+
+
+def _vector(t: Optional[torch.Tensor], name: str, ref: torch.Tensor, once: bool) -> Optional[torch.Tensor]:
+    """[B, D], [B, 1, D] or [B, S, D] as is (both tiers broadcast a [B, D] vector over the tokens; no
+    ``unsqueeze`` view per call: host time); ValueError for anything else."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    B, S, D = ref.shape
+    shape = t.shape
+    if not (len(shape) == 2 and shape[0] == B and shape[1] == D) and (
+            len(shape) != 3 or shape[0] != B or shape[2] != D or shape[1] not in (1, S)):
+        raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, S, D] for input {tuple(ref.shape)}, "
+                         f"got {tuple(t.shape)}")
+    if t.device != ref.device or (t.dtype not in FLOAT_DTYPES if once else t.dtype != ref.dtype):
+        want = "a float dtype" if once else f"{ref.dtype} (rounding='once' takes other float dtypes)"
+        raise ValueError(f"{name} is {t.dtype} on {t.device}; expected {want} on {ref.device}")
+    return t if t.stride(-1) == 1 or D == 1 else t.contiguous()
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    _args.float_tensor(t, name, 3, "[B, S, D]")
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _affine(t: torch.Tensor, name: str, ref: torch.Tensor, once: bool) -> torch.Tensor:
+    """A LayerNorm's ``[D]`` weight or bias (x's dtype, or any float dtype with rounding='once')."""
+    if not isinstance(t, torch.Tensor) or t.shape != ref.shape[-1:]:
+        raise ValueError(f"{name} must be a [{ref.shape[-1]}] tensor, got "
+                         f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if t.device != ref.device or (t.dtype not in FLOAT_DTYPES if once else t.dtype != ref.dtype):
+        raise ValueError(f"{name} is {t.dtype} on {t.device}; expected a float dtype on {ref.device}")
+    return t.contiguous()
+
+
+def _prepare(residual, gate, y, scale, shift, once, affine=False):
+    residual = _rows(residual, "x" if y is None else "residual")
+    if y is not None:
+        y = _rows(y, "y")
+        if y.shape != residual.shape or y.dtype != residual.dtype or y.device != residual.device:
+            raise ValueError(f"y {tuple(y.shape)} {y.dtype} on {y.device} does not match residual "
+                             f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if affine:
+        return (residual, _vector(gate, "gate", residual, once), y, _affine(scale, "weight", residual, once),
+                _affine(shift, "bias", residual, once))
+    return (residual, _vector(gate, "gate", residual, once), y, _vector(scale, "scale", residual, once),
+            _vector(shift, "shift", residual, once))
+
+
+def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
+          scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
+          once: bool, tier: str, affine: bool = False) -> list[torch.Tensor]:
+    """The op body: [h] (residual only), [out] (norm only) or [h, out]. ``y`` without ``gate``: a plain
+    residual add; ``affine``: ``scale``/``shift`` are a LayerNorm's [D] weight and bias."""
+    if tier == "torch":
+        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine)
+    else:
+        # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time (its arguments are parsed in C++)
+        h = torch.empty_like(residual, memory_format=torch.contiguous_format) if y is not None else None
+        out = torch.empty_like(residual, memory_format=torch.contiguous_format) if scale is not None else None
+        _triton_tier().launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine)
+    return [t for t in (h, out) if t is not None]
+
+
+#: The Triton tier's module, imported at its first call (it imports triton).
+_triton_tier = lazy_module(f"{__package__}._modulate_triton")
+
+
+@torch.library.custom_op("torchpatches::modulate", mutates_args=())
+def _modulate_op(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
+                 scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
+                 once: bool, tier: str, affine: bool = False) -> list[torch.Tensor]:
+    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier, affine)
+
+
+@_modulate_op.register_fake
+def _(residual, gate, y, scale, shift, eps, clip, once, tier, affine=False):
+    n = int(y is not None) + int(scale is not None)
+    return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
+
+
+@_dispatch.public
+def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affine=False):
+    if gated and gate is None:
+        raise ValueError("gate must be a torch.Tensor, got None")
+    if y is None and gate is not None:
+        raise ValueError("gate needs y")
+    if scale is not None and (shift is None or eps is None):
+        raise ValueError("scale needs shift and eps")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    once = rounding == "once"
+    eps = None if eps is None else _args.number(eps, "eps")
+    residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift, once, affine)
+    grad = needs_grad(residual, gate, y, scale, shift)
+    chosen = choose_tier(residual.device.type, tier, grad)
+    return _dispatch.run(residual, grad, _impl, _modulate_op, residual, gate, y, scale, shift,
+                         float(eps or 0.0), bool(clip), once, chosen, bool(affine))
+
+
+def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
+               scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, *, clip: bool = False,
+               once: bool = False) -> list[torch.Tensor]:
+    """The op (``[h]``, ``[out]`` or ``[h, out]``, as :func:`_impl`) for a caller that has already checked what the
+    public entries check: the fusion patterns (``patches/_modulate_calls``), which test the same conditions before
+    they choose the fused path. Skipped: the argument checks (plain ``torch.Tensor``s of a served dtype on one
+    device, ``[B, S, D]`` rows, vectors of a shape and dtype that fit, ``eps`` a number, no ``gate`` without ``y``),
+    the ``torch.jit.trace`` / torch.compile / functorch handling (the patterns step aside for all of them) -- tens
+    of microseconds of host time per call on a slow host, 191 calls per FLUX.1 step. Kept: everything that decides
+    the result without costing much: unit-stride copies, a forced tier, the PyTorch tier when autograd records.
+    Not the affine form. Wrong arguments here are the caller's bug: they may fail inside the kernel."""
+    # Unit-stride rows, as _prepare makes them; written out: five calls of a helper cost more than the rest here.
+    if residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    if y is not None and y.stride(-1) != 1:
+        y = y.contiguous()
+    if gate is not None and gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    if scale is not None and scale.stride(-1) != 1:
+        scale = scale.contiguous()
+    if shift is not None and shift.stride(-1) != 1:
+        shift = shift.contiguous()
+    # Inference runs without grad mode: then nothing else is read.
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (residual, gate, y, scale, shift))
+    tier = choose_tier(residual.device.type, None, grad)
+    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier)
+
+
+def layer_norm_modulate(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    rounding: str = "each",
+    tier: Optional[str] = None,
+) -> torch.Tensor:
+    """``LayerNorm(x) * (1 + scale) + shift`` (LayerNorm without affine), rounded per ``rounding``.
+
+    Raises:
+        ValueError: on shapes, dtypes or devices that do not fit (see the module docstring).
+    """
+    return _run(x, None, None, scale, shift, eps, False, tier, False, rounding)[0]
+
+
+def gate_residual(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    clip_fp16: bool = False,
+    rounding: str = "each",
+    tier: Optional[str] = None,
+) -> torch.Tensor:
+    """``residual + gate * y`` (``gate`` broadcast over tokens), rounded per ``rounding``."""
+    return _run(residual, gate, y, None, None, None, clip_fp16, tier, True, rounding)[0]
+
+
+def gate_residual_layer_norm_modulate(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    y: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    clip_fp16: bool = False,
+    rounding: str = "each",
+    tier: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + gate * y`` and ``LayerNorm(h) * (1 + scale) + shift`` in one pass: ``(h, out)``."""
+    h, out = _run(residual, gate, y, scale, shift, eps, clip_fp16, tier, True, rounding)
+    return h, out
+
+
+def residual_layer_norm_modulate(
+    residual: torch.Tensor,
+    y: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    clip_fp16: bool = False,
+    rounding: str = "each",
+    tier: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + y`` (no gate: Wan's cross-attention residual) and ``LayerNorm(h) * (1 + scale) + shift``
+    in one pass: ``(h, out)``. ``h`` rounds once in both modes (one add)."""
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"y must be a torch.Tensor, got {type(y).__name__}")
+    h, out = _run(residual, None, y, scale, shift, eps, clip_fp16, tier, False, rounding)
+    return h, out
+
+
+def gate_residual_layer_norm(
+    residual: torch.Tensor,
+    gate: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    clip_fp16: bool = False,
+    rounding: str = "each",
+    tier: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + gate * y`` and ``LayerNorm(h)`` with ``[D]`` ``weight`` and ``bias`` (no modulation)
+    in one pass: ``(h, out)``. Wan's ``cross_attn_norm``: ``rounding="once"``, weight and bias of any float
+    dtype (``FP32LayerNorm`` computes in fp32: ``norm2(h.float()).type_as(h)``)."""
+    if weight is None or bias is None:
+        raise ValueError("weight and bias must both be tensors")
+    h, out = _run(residual, gate, y, weight, bias, eps, clip_fp16, tier, True, rounding, affine=True)
+    return h, out
