@@ -58,8 +58,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._core.declare import Patch, Target
+from .._core.lazy import lazy_module
 from ._fused_common import CAT, DROPOUT, FALLBACK, LINEAR, dropout, fusable, fused, linear, remembered, stock
-from ._qwenimage_tables import joint_mask, rope_tables
+
+# imported at the first fused call: the tables' module is not needed to declare the patch (import cost)
+_tables = lazy_module("torchpatches.patches._qwenimage_tables")
 
 __all__ = ["PATCH"]
 
@@ -138,7 +141,7 @@ def _fused_qkv(attn: Any, img: list, txt: list, image_rotary_emb: Any, module: A
     if not _norms_fit(attn, q):
         return None
     s_txt = txt[0].shape[1]
-    tables = rope_tables(*image_rotary_emb, q.shape[1], s_txt, q.shape[-1], q.device)
+    tables = _tables().rope_tables(*image_rotary_emb, q.shape[1], s_txt, q.shape[-1], q.device)
     if tables is None:
         return None
     from ..ops._runtime.tiers import choose_tier
@@ -195,7 +198,7 @@ def _processor(self, attn, hidden_states, encoder_hidden_states=None, encoder_hi
     module = sys.modules[_QWEN]
     # diffusers 0.42.1 QwenDoubleStreamAttnProcessor2_0.__call__, with the q/k stretch fused.
     if encoder_hidden_states_mask is not None:
-        attention_mask = joint_mask(encoder_hidden_states_mask, hidden_states)
+        attention_mask = _tables().joint_mask(encoder_hidden_states_mask, hidden_states)
     seq_txt = encoder_hidden_states.shape[1]
     head_dim = attn.inner_dim // attn.heads
     img = [linear(p, hidden_states).unflatten(-1, (-1, head_dim)) for p in (attn.to_q, attn.to_k, attn.to_v)]
