@@ -29,7 +29,7 @@ from .patches import PATCH_MODULES
 if TYPE_CHECKING:
     from ._doctor.report import DoctorReport
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "apply",
