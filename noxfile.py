@@ -45,15 +45,14 @@ FAST = "not slow"  # what runs in seconds; a release's own tests are added by ma
 #: sessions are what CI runs.
 MATRIX = {
     # The oldest release: the fast set and inductor_realize's tests (slow ones included); the rest of the slow set
-    # runs on the newest release only (since issue 17 round 13, for CI's time budget).
+    # runs on the newest release only (for CI's time budget).
     "2.11.0": ("the release inductor_realize was written for (CUDA build, runs on the CPU)",
                f"({FAST} and not once) or inductor_realize", ()),
     # The release besides 2.11 where inductor_realize applies; unlike 2.11 it keeps config overrides per thread
     # (ContextVar), so an applied Inductor patch meets that config model only here; inductor_fallback_log applies here
-    # too. Between two releases that run
-    # the whole fast set (2.11, 2.13), it runs what it is here for: inductor_realize and the Inductor cache key (since
-    # issue 17 round 13, for CI's time budget). The kernels' tests (tests/ops) left it in round 14: the triton it
-    # brings (3.7.1) is the one the 2.13.0 session pins, which runs them.
+    # too. Between two releases that run the whole fast set (2.11, 2.13), it runs what it is here for:
+    # inductor_realize and the Inductor cache key (for CI's time budget). The kernels' tests (tests/ops) do not run
+    # here: the triton it brings (3.7.1) is the one the 2.13.0 session pins, which runs them.
     "2.12.1": ("the other release with 2.11's realize rule (CUDA build, runs on the CPU)",
                f"({FAST} and not once) or inductor_realize",
                ("tests/patches/test_inductor_realize.py", "tests/test_cache_key.py", "tests/test_cache_key_hostile.py",

@@ -1,4 +1,4 @@
-"""Issue 11: an Inductor patch's token stays in Inductor's compile-cache keys whatever the user does
+"""An Inductor patch's token stays in Inductor's compile-cache keys whatever the user does
 with ``torch.compiler.config.cache_key_tag``, and a lowering that happens in a child process that
 does not import torchpatches is never stored under a key that claims the patch.
 

@@ -1,4 +1,4 @@
-"""Issue 11: the compile-safe message helpers never lose a message to a formatting error.
+"""The compile-safe message helpers never lose a message to a formatting error.
 
 Under compile, a tensor argument has no value at trace time (it is a FakeTensor); the helpers show a
 stand-in and must still format the message whatever the ``%`` spec (``%d`` with a tensor included),
@@ -100,7 +100,7 @@ def test_warn_once_with_a_tensor_under_compile() -> None:
 
 
 def test_no_logging_error_on_stderr_under_compile(capsys: pytest.CaptureFixture) -> None:
-    """The symptom the issue saw: logging's own '--- Logging error ---' report."""
+    """The symptom users would see: logging's own '--- Logging error ---' report."""
     reset_once()
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)

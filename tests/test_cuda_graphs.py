@@ -439,8 +439,8 @@ class AllocatorPools(Replaying):
 @pytest.mark.parametrize("case", ["first capture failed", "last graph evicted", "reset"])
 def test_a_pool_whose_graphs_are_gone_is_not_captured_into_again(net: Net, case: str) -> None:
     """A signature that cannot be captured (or an eviction, a reset) must not cost later signatures their graphs:
-    the wrapper takes a new pool once no graph of the old one is held (round 10's QwenImage run hit the allocator's
-    assert in every capture after one failed)."""
+    the wrapper takes a new pool once no graph of the old one is held (without that, a QwenImage run on the GPU hit the
+    allocator's assert in every capture after one failed)."""
     backend = AllocatorPools(failing={"first capture failed": (0,), "last graph evicted": (1,)}.get(case, ()))
     w = Graphed(net, backend=backend, max_graphs=1)
     with torch.inference_mode(), warnings.catch_warnings(record=True) as caught:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "torchpatches"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 README = ROOT / "README.md"
-README_LIMIT = 10 * 1024  # issue 15: README is a front door, at most 10 KB
+README_LIMIT = 10 * 1024  # README is a front door: at most 10 KB
 
 FENCE = re.compile(r"^(```|~~~)")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

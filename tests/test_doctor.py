@@ -1,7 +1,7 @@
 """torchpatches.doctor and `python -m torchpatches doctor`: graph breaks mapped to patches, recompiles, fullgraph.
 
-The FLUX.1 case is ground truth in the sense the issue asks for: the doctor runs the model with every patch
-reverted and with them applied, and must find exactly the two breaks compile_warnings removes.
+The FLUX.1 case is ground truth: the doctor runs the model with every patch reverted and with them applied,
+and must find exactly the two breaks compile_warnings removes.
 """
 from __future__ import annotations
 
@@ -530,7 +530,7 @@ def test_resume_functions_are_named_by_the_function_they_resume(name: str, expec
     assert _capture.clean_function_name(name) == expected
 
 
-# ---- issue 18: a script that does what scripts do, each run as under `python` ------------------------------
+# ---- a script that does what scripts do, each run as under `python` ----------------------------------------
 
 _HOSTILE = """
 import atexit, multiprocessing, os, subprocess, sys
@@ -616,7 +616,7 @@ def test_stdin_is_replayed_to_every_run_and_an_endless_stream_does_not_stall() -
         os.close(write_end)
 
 
-# ---- issue 18: verdicts the doctor cannot know are "not judged" ------------------------------------------------
+# ---- verdicts the doctor cannot know are "not judged" ----------------------------------------------------------
 
 
 def test_a_workload_that_compiles_nothing_is_not_judged() -> None:
@@ -669,7 +669,7 @@ def test_a_workload_that_patches_the_baseline_is_named() -> None:
     assert {name: entry.state for name, entry in torchpatches.status().items()} == before
 
 
-# ---- issue 18: a closed stdout, and `--` for the script -----------------------------------------------------
+# ---- a closed stdout, and `--` for the script ---------------------------------------------------------------
 
 
 class _ClosedPipe:

@@ -1,4 +1,4 @@
-"""Issue 11: importing torchpatches never crashes, whatever the environment does to an import-time
+"""Importing torchpatches never crashes, whatever the environment does to an import-time
 shim, and each odd situation gives a clear state and a true reason (or a clear ValueError for a
 wrong argument to the API)."""
 from __future__ import annotations

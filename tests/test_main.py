@@ -1,4 +1,5 @@
-"""``python -m torchpatches`` (the status command) under hostile conditions (issue 18, items 11, 12, 16).
+"""``python -m torchpatches`` (the status command) under hostile conditions: ``python -OO``, a
+closed stdout, torch not installed.
 
 The doctor's own CLI cases are in test_doctor.py.
 """
@@ -25,7 +26,7 @@ def _python(code: str, *flags: str, **kwargs: object) -> subprocess.CompletedPro
     return subprocess.run([sys.executable, *flags, "-c", textwrap.dedent(code)], env=env, timeout=600, **kwargs)
 
 
-# ---- item 12: docstrings are not text (python -OO strips them) -----------------------------------------------
+# ---- docstrings are not text (python -OO strips them) --------------------------------------------------------
 
 
 def test_no_docstring_is_used_as_text_in_the_package() -> None:
@@ -58,7 +59,7 @@ def test_python_OO_status() -> None:
     assert "rope" in json.loads(done.stdout)
 
 
-# ---- item 11: a closed stdout -----------------------------------------------------------------------------------
+# ---- a closed stdout --------------------------------------------------------------------------------------------
 
 
 def test_status_json_into_a_closed_pipe_exits_141_quietly() -> None:
@@ -74,7 +75,7 @@ def test_status_json_into_a_closed_pipe_exits_141_quietly() -> None:
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
 
 
-# ---- item 16: torch not installed ----------------------------------------------------------------------------
+# ---- torch not installed -------------------------------------------------------------------------------------
 
 _WITHOUT_TORCH = hiding("torch") + """
 import runpy

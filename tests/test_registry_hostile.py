@@ -1,4 +1,4 @@
-"""Issue 11: ``status()`` tells the truth and revert/apply converge under hostile use.
+"""``status()`` tells the truth and revert/apply converge under hostile use.
 
 Reloads of a target module (``importlib.reload`` or ``del sys.modules[...]`` + import), a second
 registry over the same targets (what ``importlib.reload(torchpatches)`` makes), code edited on disk

@@ -1,4 +1,4 @@
-"""Issue 18, item 13: applying (at import, at ``importlib.reload(torchpatches)``, on a module load) adopts
+"""Applying (at import, at ``importlib.reload(torchpatches)``, on a module load) adopts
 or skips; it never raises, whatever verifying a target raises."""
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ def test_compiles_fullgraph_as_a_custom_op() -> None:
     torch._dynamo.reset()
 
 
-# ---- Wan's forms: a residual add without gate, an affine LayerNorm (issue 16) -------------------------
+# ---- Wan's forms: a residual add without gate, an affine LayerNorm ------------------------------------
 
 
 @needs_triton

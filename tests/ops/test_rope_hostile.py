@@ -1,4 +1,4 @@
-"""Issue 11: the RoPE op under hostile input: aliasing q/k, tensors that cannot be written, autograd,
+"""The RoPE op under hostile input: aliasing q/k, tensors that cannot be written, autograd,
 and out-of-range positions under torch.compile. Nothing may be half-applied, and no gradient may be
 wrong (the op is either differentiable or refuses with a clear error).
 

@@ -2,10 +2,10 @@
 
 - the forced tier is per thread and per asyncio task, and one switch serves RoPE and the fused ops;
 - a stubbed ``triton`` in ``sys.modules`` (a bare module, a MagicMock) reads as "no triton": the PyTorch
-  tier runs (issue 18, item 14);
+  tier runs;
 - "autograd records" covers forward-mode AD and functorch transforms: the automatic tier gives the right
-  tangents / batched values, a forced kernel tier refuses (issue 18, items 1 and 4);
-- a wrong kind of argument raises ``ValueError`` naming it (issue 18, item 15);
+  tangents / batched values, a forced kernel tier refuses;
+- a wrong kind of argument raises ``ValueError`` naming it;
 - the modulate family's second rounding mode (Wan's fp32 compute, rounded once).
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_forced_tier_is_not_shared_between_tasks() -> None:
     assert asyncio.run(main()) == ("torch", None)
 
 
-# ---- a stub triton (item 14) ---------------------------------------------------------------------------
+# ---- a stub triton -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stub", [types.ModuleType("triton"), mock.MagicMock()], ids=["module", "magicmock"])
@@ -121,7 +121,7 @@ def test_a_stubbed_triton_runs_the_torch_tier(stub: Any, monkeypatch: pytest.Mon
         assert torch.equal(g, w)
 
 
-# ---- every form of "autograd records" (items 1, 4) -------------------------------------------------------
+# ---- every form of "autograd records" --------------------------------------------------------------------
 
 
 def _lnmod(x: torch.Tensor, tier: Any) -> torch.Tensor:
@@ -233,7 +233,7 @@ def _assert(value: bool) -> torch.Tensor:
     return torch.zeros(())
 
 
-# ---- argument kinds (item 15) ----------------------------------------------------------------------------
+# ---- argument kinds --------------------------------------------------------------------------------------
 
 
 def _bad_rope(**change: Any) -> Callable[[], Any]:
@@ -352,7 +352,7 @@ def test_rounding_once_against_float64_and_between_tiers(case: Dict[str, Any]) -
             assert ulps(h, want_h) <= 1.0 and ulps(out, want, mag) <= (8.0 if out.dtype == torch.float32 else 1.0)
 
 
-# ---- torch.jit.trace (item 5) ----------------------------------------------------------------------------
+# ---- torch.jit.trace -------------------------------------------------------------------------------------
 
 
 @pytest.mark.usefixtures("kernels_by_default")

@@ -123,7 +123,7 @@ def repeatable_inductor() -> ContextManager[None]:
     and no choice by on-device timing where it changes numerics (``deterministic``, torch >= 2.11). On a GPU,
     Inductor times several configs of a reduction at its first run and keeps the fastest, so two compiles of one
     graph may sum in another order: 1-ulp differences between two fresh compiles of the same tiny FLUX on an H200
-    (issue 17 round 13; round 10's unexplained CUDA-only QwenImage failure of the same check). On the CPU Inductor
+    (and a CUDA-only QwenImage failure of the same check). On the CPU Inductor
     times nothing, and the mode made the tiny FLUX.1 check 28% slower (32 s against 25 s, torch 2.13.0): off there.
     It follows the tests' device (``DEVICE``, where the tiny models live). The mode also changes some CPU code
     generation that has nothing to do with timing (buffer reuse): harmless for a check that compares two compiles

@@ -313,7 +313,7 @@ def test_accelerate_and_diffusers_hooks_get_diffusers_code(calls: Dict[str, int]
 
 def test_context_parallel_processor_hands_attention_what_diffusers_does(calls: Dict[str, int],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Processors with a parallel config (context parallelism, issue 17 round 10) run the fused q/k stretch, and the
+    """Processors with a parallel config (context parallelism) run the fused q/k stretch, and the
     attention backend receives what diffusers' processor hands it: the config and the joint mask. The backend here
     records them and attends locally; two gloo ranks run tiny QwenImage under real Ulysses (the text and its mask
     split with the image) in test_fused_context_parallel.py."""

@@ -1,15 +1,14 @@
-"""Where the fused patterns (and the rope patch) must step aside so diffusers' own code runs (issue 18).
+"""Where the fused patterns (and the rope patch) must step aside so diffusers' own code runs.
 
 Each case compares the patched tiny FLUX.1 / FLUX.2 with the same model and the patches reverted, on CPU
 with the PyTorch tier forced (the fused path allowed on CPU), and with the Triton tier (Triton's CPU
 interpreter) where triton is installed:
 
-- forward-mode AD (dual tensors): the tangent must be diffusers' (item 1);
-- functorch transforms (``vmap``, ``jvp``): no crash, diffusers' values (item 4);
-- ``torch.jit.trace``: diffusers' graph, and no TracerWarning raised from torchpatches' code (item 5);
-- autocast: diffusers' result dtype (item 6);
-- a global the replaced stretch looks up at call time, rebound by a user: what diffusers computes with it
-  (items 2, 3).
+- forward-mode AD (dual tensors): the tangent must be diffusers';
+- functorch transforms (``vmap``, ``jvp``): no crash, diffusers' values;
+- ``torch.jit.trace``: diffusers' graph, and no TracerWarning raised from torchpatches' code;
+- autocast: diffusers' result dtype;
+- a global the replaced stretch looks up at call time, rebound by a user: what diffusers computes with it.
 """
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ def rope_on() -> Iterator[None]:
             torchpatches.revert("rope")
 
 
-# ---- item 1: forward-mode AD ----------------------------------------------------------------------
+# ---- forward-mode AD ------------------------------------------------------------------------------
 
 
 def _math_attention() -> Any:
@@ -98,7 +97,7 @@ def test_rope_patch_alone_gets_diffusers_tangent(tier: str) -> None:
     assert torch.equal(got, ref)
 
 
-# ---- item 4: functorch transforms -----------------------------------------------------------------
+# ---- functorch transforms -------------------------------------------------------------------------
 
 
 def _vmapped(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
@@ -136,7 +135,7 @@ def test_functorch_transforms_get_diffusers_code(which: str, transform: Callable
     assert not calls, dict(calls)
 
 
-# ---- item 5: torch.jit.trace ----------------------------------------------------------------------
+# ---- torch.jit.trace ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -159,7 +158,7 @@ def test_jit_trace_gets_diffusers_code_and_no_tracer_warnings_from_torchpatches(
         assert torch.equal(traced(*(inputs[n] for n in names)), ref)
 
 
-# ---- item 6: autocast -----------------------------------------------------------------------------
+# ---- autocast -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -190,7 +189,7 @@ def test_autocast_whole_model_equals_diffusers(which: str, calls: Dict[str, int]
     assert not calls, dict(calls)
 
 
-# ---- items 2, 3: globals the replaced code looks up at call time ----------------------------------
+# ---- globals the replaced code looks up at call time ----------------------------------------------
 
 
 def _identity_rope(x: torch.Tensor, freqs_cis: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -243,7 +243,7 @@ def test_rotary_of_another_dtype_gets_diffusers_self_attention(dtype: torch.dtyp
 
 def test_context_parallel_processor_hands_attention_what_diffusers_does(calls: Dict[str, int],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Processors with a parallel config (context parallelism, issue 17 round 9) run the fused q/k stretch, and the
+    """Processors with a parallel config (context parallelism) run the fused q/k stretch, and the
     attention backend receives what diffusers' processor hands it: the config in self-attention, none in
     cross-attention (the text is not split). The backend here records the config and attends locally; two gloo
     ranks run tiny Wan under real Ulysses and ring in test_fused_context_parallel.py."""

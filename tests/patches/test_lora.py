@@ -1,6 +1,6 @@
 """The ``lora`` pattern: peft's ``lora.Linear`` with each adapter added in its GEMM's epilogue.
 
-On the tiny FLUX.1 (``flux1-fused``) with peft adapters on every projection the issue lists (CPU, a forced tier
+On the tiny FLUX.1 (``flux1-fused``) with peft adapters on every projection ``TARGETS`` lists (CPU, a forced tier
 standing in for the GPU; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU): outputs equal to
 peft's own code (``lora`` reverted) for one adapter, two with ``set_adapters(..., weights)``, a ``scale`` in
 ``joint_attention_kwargs`` and after ``enable_lora_hotswap`` + a swap; fp32 bit-identical where each scaling
@@ -26,7 +26,7 @@ from torchpatches._core import gates as _gates  # noqa: E402
 from torchpatches.ops import _lora as ops  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
 
-#: The modules issue 17 puts rank-64 adapters on (here rank 4), FLUX.1's double and single blocks.
+#: The modules the FLUX.1-dev LoRA runs put rank-64 adapters on (here rank 4), FLUX.1's double and single blocks.
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
            "norm1.linear", "norm1_context.linear", "norm.linear"]
@@ -231,7 +231,7 @@ def aten_ops(model: torch.nn.Module, inputs: Dict[str, Any], **kwargs: Any) -> "
 
 
 def test_a_joint_attention_scale_costs_no_extra_op_or_sync(calls: List[Tuple[int, bool]]) -> None:
-    """Issue 17's H100 run: a ``scale`` of 0.8 made the host time per step 221 ms instead of 116. The fused
+    """On an H100 (FLUX.1-dev) a ``scale`` of 0.8 made the host time per step 221 ms instead of 116. The fused
     path must do per layer exactly what it does unscaled (the scale only changes ``alpha``): the same aten ops,
     no scalar read of a tensor (a sync per layer on a GPU), every layer served."""
     model, inputs = flux()

@@ -1,4 +1,4 @@
-"""Issue 11: every patched object pickles by reference (a ``spawn`` worker gets it by name).
+"""Every patched object pickles by reference (a ``spawn`` worker gets it by name).
 
 Pickle stores a function as ``__module__`` + ``__qualname__`` and checks that the name resolves to
 the same object; a replacement whose names point into torchpatches, where no such attribute exists,

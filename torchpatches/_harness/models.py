@@ -103,7 +103,7 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 2, 4),
     )),
     "feedforward": ("FeedForward", dict(dim=16, mult=2, activation_fn="gelu-approximate")),
-    # Models whose warning sites compile_warnings covers since the whole-diffusers scan (issue 10): one
+    # Models whose warning sites compile_warnings covers (from its scan of all of diffusers): one
     # per kind of site, measured before/after in tests/patches/test_compile_warnings.py.
     "chroma": ("ChromaTransformer2DModel", dict(
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,

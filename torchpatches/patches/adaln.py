@@ -5,7 +5,7 @@ What goes wrong upstream
     (``diffusers/models/normalization.py``) compute ``self.norm(x) * (1 + scale) + shift`` as four
     eager ops (LayerNorm, ``1 + scale``, multiply, add): three full passes over the ``[B, S, D]``
     activations, and torch's LayerNorm kernel itself runs far below the memory bandwidth at FLUX's
-    widths (LayerNorm alone was 9.2 ms of a 151.6 ms eager FLUX.1-dev step on an H100, issue 8).
+    widths (LayerNorm alone was 9.2 ms of a 151.6 ms eager FLUX.1-dev step on an H100).
     ``torch.compile`` fuses all of it; eager users pay it on every block. No upstream issue or fix as
     of diffusers 0.42.1.
 

@@ -12,7 +12,7 @@ What goes wrong upstream
     took 361-373 ms with ``ulysses_anything`` against 167-236 ms under plain Ulysses with the same (even) shards,
     torchpatches' fused glue made it slower still (1.05x / 1.11x: the GPU time it saves no longer overlaps anything),
     and ``cpu:gloo,cuda:nccl`` (diffusers' own remedy: the lengths over gloo) measured 346-391 ms (docs/fused.md,
-    "Uneven shards, round 11"). The exchanges themselves go through the functional collectives
+    "Uneven shards"). The exchanges themselves go through the functional collectives
     (``cp_all_to_all``'s banner says what that costs in eager). No upstream issue as of diffusers 0.42.1.
 
 What the patch changes

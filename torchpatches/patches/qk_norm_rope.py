@@ -20,7 +20,7 @@ What the patch changes
     written straight into the buffer ``to_out`` reads (only the attention output is copied into it).
     Under diffusers' context parallelism (a processor with a ``_parallel_config``) the stretch runs on the
     rank's shard of the sequence (the rotary tables are the shard's) and the processor hands its
-    ``_parallel_config`` to the attention call, as diffusers' does (issue 17, round 8: the host work the
+    ``_parallel_config`` to the attention call, as diffusers' does (the host work the
     stretch saves is on a context-parallel step's critical path).
     Everything else runs diffusers' own ``__call__``: ``torch.compile`` (Inductor fuses this stretch
     itself), norms that are not stock ``torch.nn.RMSNorm`` with a weight of the activations' dtype, hooked

@@ -26,8 +26,8 @@ What the patch changes
     complex64 tables of the streams' lengths, q/k norms that are not stock diffusers ``RMSNorm`` with a
     weight of the activations' dtype and no bias, hooked norms, a replaced global of the processor
     (``apply_rotary_emb_qwen``, ``dispatch_attention_fn``) or of ``RMSNorm.forward`` / ``torch.cat``, tensor
-    subclasses, CPU tensors. Under diffusers' context parallelism (a processor with a ``_parallel_config``,
-    since issue 17 round 10) the stretch runs on the rank's shard: the image and text streams, their rotary
+    subclasses, CPU tensors. Under diffusers' context parallelism (a processor with a ``_parallel_config``)
+    the stretch runs on the rank's shard: the image and text streams, their rotary
     tables and the text mask are split alike by diffusers' plan, every step of the stretch is per token, and the
     attention call gets diffusers' arguments (the config, the joint mask).
 

@@ -3,7 +3,7 @@
 ``kernel[grid](*args, **constexprs)`` runs ``JITFunction.run`` on every call: it binds the arguments,
 specialises each one (``native_specialize_impl``), turns the result into a string key, builds launch
 metadata and calls the (empty) launch hooks; about 90 us per launch under cProfile on an H100 host, 324
-launches per fused FLUX step (issue 17). Inductor's generated code calls the compiled kernel's launcher
+launches per fused FLUX.1-dev step. Inductor's generated code calls the compiled kernel's launcher
 instead. ``launch(kernel, grid, args, constexprs)`` does the same for torchpatches' kernels:
 
 - the first call of an argument class goes through ``kernel.run`` (exactly what ``kernel[grid]`` does: it

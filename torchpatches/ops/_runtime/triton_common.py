@@ -6,7 +6,7 @@ on computing. Two implementations, one rounding (to nearest, ties to even): comp
 (``cvt.rn.bf16.f32``, one instruction); the CPU interpreter's kernels round bf16 by integer
 arithmetic, because the interpreter casts fp32 -> bf16 by truncation, which would make CI disagree
 with the GPU. The integer form costs ~8 integer instructions per rounding; with four roundings per
-element it made the LayerNorm + modulate kernel compute-bound on an H100 (issue 17, round 4).
+element it made the LayerNorm + modulate kernel compute-bound on an H100.
 
 ``interpreted(kernel_py, helpers)`` builds the interpreter version of a kernel whatever
 ``TRITON_INTERPRET`` said when triton was imported: the interpreter cannot call a compiled
