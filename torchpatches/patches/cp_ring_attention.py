@@ -122,20 +122,8 @@ def _ring_loop(ctx: Any, query: torch.Tensor, step_kv: Callable[[int], Tuple[tor
     fused_merge = None
     for i in range(world_size):
         key, value = step_kv(i)
-        out, lse = forward_op(
-            ctx,
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            True,
-            _save_ctx=i == 0,
-            _parallel_config=_parallel_config,
-        )
+        out, lse = forward_op(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, True,
+                              _save_ctx=i == 0, _parallel_config=_parallel_config)
 
         if fused_merge is None:  # every step's result has the first one's shapes and dtypes
             fused_merge = world_size > 1 and convert_to_fp32 and _merge_fits(out, lse, query)

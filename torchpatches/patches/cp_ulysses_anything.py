@@ -168,20 +168,8 @@ def _replacement(original: Any) -> staticmethod:
             attn_mask = torch.cat(mask_list, dim=-1)
             attn_mask = attn_mask[..., : sum(mask_local_sizes)]
 
-        out = forward_op(
-            ctx,
-            query,
-            key,
-            value,
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            enable_gqa,
-            return_lse,
-            _save_ctx=False,  # ulysses anything only support forward pass now.
-            _parallel_config=_parallel_config,
-        )
+        out = forward_op(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                         _save_ctx=False, _parallel_config=_parallel_config)  # diffusers: forward only
         if return_lse:
             out, lse, *_ = out
 
