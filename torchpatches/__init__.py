@@ -27,6 +27,7 @@ from ._core.status import PatchState, PatchStatus, Status, TargetStatus
 from .patches import PATCH_MODULES
 
 if TYPE_CHECKING:
+    from ._coverage.report import CoverageReport
     from ._doctor.report import DoctorReport
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "status",
     "patch_names",
     "doctor",
+    "coverage",
     "Patch",
     "Target",
     "Site",
@@ -175,6 +177,23 @@ def doctor(fn_or_module: Any, *args: Any, **kwargs: Any) -> "DoctorReport":
     from ._doctor import diagnose as _doctor  # lazily: the doctor is not part of the import path
 
     return _doctor.doctor(sys.modules[__name__], fn_or_module, args, kwargs)
+
+
+def coverage(model: Any, *args: Any, **kwargs: Any) -> "CoverageReport":
+    """What fused in ``model(*args, **kwargs)`` and why not: calls it once, watched, and reports per fusion
+    pattern and class the calls fused and those handed to diffusers' code with the reason (compiling, autocast, a
+    gradient wanted, a hooked or subclassed module, a dtype, not CUDA, a replaced global, a shape the pattern does
+    not serve), the classes of the model a pattern targets that is not applied, and those no pattern targets. On
+    CUDA it then times the call with and without torchpatches (warm-up, alternated, CUDA events, medians).
+
+    Call it as you call the model (inside ``torch.inference_mode()`` if that is how you run it): the outcome
+    depends on that state. Returns a ``CoverageReport``: ``str()`` is a table, ``.to_json()`` the stable form.
+    """
+    import sys
+
+    from ._coverage import run as _coverage  # lazily: not part of the import path
+
+    return _coverage.coverage(sys.modules[__name__], model, args, kwargs)
 
 
 _apply(None)  # at import: every eligible patch, without building a status report

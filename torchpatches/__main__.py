@@ -5,6 +5,7 @@
     python -m torchpatches --json          # machine-readable
     python -m torchpatches demo            # compile a tiny model with the patches, then status
     python -m torchpatches doctor [--json] SCRIPT [ARGS...]   # the script's graph breaks and recompiles
+    python -m torchpatches coverage [--json] SCRIPT [ARGS...] # what fused in the script's models, and why not
 
 Exit status 141 when stdout is closed early (``| head``).
 """
@@ -111,6 +112,28 @@ def _doctor_main(argv: List[str]) -> int:
     return report.exit_code
 
 
+def _coverage_main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchpatches coverage", usage="%(prog)s [--json] SCRIPT [ARGS...]",
+        description="Run SCRIPT as __main__ in this process with torchpatches applied and report, per eager fusion "
+        "pattern and class, the calls fused and those handed to diffusers' code with the reason, and the classes "
+        "of the script's models that no pattern targets. Time one call on a GPU with torchpatches.coverage(model, "
+        "...). Exit status: 0, or 2 on a usage error.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    parser.add_argument("script", help="a Python script; it runs with torchpatches applied")
+    options, script_args = _split_script(argv)
+    args = parser.parse_args(options)
+    if not os.path.isfile(args.script):
+        parser.error(f"no such script: {args.script}")
+
+    from ._coverage import run as _coverage
+
+    report = _coverage.coverage_script(torchpatches, args.script, script_args)
+    print(json.dumps(report.to_json(), indent=2) if args.json else report)
+    return 0
+
+
 def _description() -> str:
     """The first line of this module's docstring (None under ``python -OO``)."""
     return (__doc__ or "python -m torchpatches: the status table").splitlines()[0]
@@ -120,14 +143,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["doctor"]:
         return _doctor_main(argv[1:])
+    if argv[:1] == ["coverage"]:
+        return _coverage_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m torchpatches", description=_description())
-    parser.add_argument("command", nargs="?", choices=("status", "demo", "doctor"), default="status")
+    parser.add_argument("command", nargs="?", choices=("status", "demo", "doctor", "coverage"), default="status")
     parser.add_argument("--load", action="store_true", help="import the patch targets first")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
 
-    if args.command == "doctor":  # reached only with options before it: "--json doctor script.py"
-        parser.error("the doctor's options go after it: python -m torchpatches doctor [--json] SCRIPT [ARGS...]")
+    if args.command in ("doctor", "coverage"):  # reached only with options before it: "--json doctor script.py"
+        parser.error(f"the {args.command} command's options go after it: "
+                     f"python -m torchpatches {args.command} [--json] SCRIPT [ARGS...]")
     if args.command == "demo":
         from . import _demo
 

@@ -47,13 +47,31 @@ from .._core.declare import Target
 from .._core.slot import MARK_ORIGINAL, MARK_PATCH
 from ..ops._runtime.tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
-__all__ = ["FALLBACK", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT", "LINEAR", "DROPOUT", "fused",
+__all__ = ["FALLBACK", "declined", "why_not_fusable", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT", "LINEAR", "DROPOUT", "fused",
            "steps_aside", "fusable", "stock", "linear", "dropout", "plain_layer_norm", "plain_rms_norm", "tensors_fit",
            "pattern_on", "Assumptions", "remembered"]
 
 
 #: A body's answer for a call it does not cover (given before it does anything): the original runs.
 FALLBACK = object()
+
+#: While ``torchpatches.coverage`` watches a call: its recorder, told each patched call's outcome
+#: (``record(pattern, self, reason)``, reason None when fused) and why a predicate declined (``note(text)``).
+#: None otherwise: the fused path then pays one global read per call.
+observer: Optional[Any] = None
+
+
+def _note(text: str) -> None:
+    """Why a predicate said no, for the observer (only called on a predicate's declining path)."""
+    if observer is not None:
+        observer.note(text)
+
+
+def declined(reason: str) -> object:
+    """:data:`FALLBACK`, with ``reason`` told to the observer: ``return declined("...")`` in a body."""
+    if observer is not None:
+        observer.note(reason)
+    return FALLBACK
 
 #: Functions reached through modules by the code a fused path skips ("module:qualname").
 LAYER_NORM = ("torch.nn.functional:layer_norm", "torch.nn.modules.normalization:LayerNorm.forward")
@@ -85,7 +103,7 @@ def _unmarked(obj: Any) -> Any:
 class Assumptions:
     """The objects a fused path assumes, captured when the patch is applied, checked by identity per call."""
 
-    __slots__ = ("_checks",)
+    __slots__ = ("_checks", "_names")
 
     def __init__(self, original: Callable[..., Any], declared: Iterable[str] = ()) -> None:
         g = getattr(original, "__globals__", {})
@@ -96,6 +114,7 @@ class Assumptions:
             module_name, qualname = path.split(":", 1)
             reads.append(functools.partial(operator.attrgetter(qualname), importlib.import_module(module_name)))
         self._checks: Tuple[Tuple[Callable[[], Any], Any], ...] = tuple((read, _unmarked(read())) for read in reads)
+        self._names = tuple(names) + declared
 
     def intact(self) -> bool:
         for read, want in self._checks:
@@ -103,6 +122,11 @@ class Assumptions:
             if now is not want and getattr(now, MARK_ORIGINAL, None) is not want:
                 return False
         return True
+
+    def replaced(self) -> Tuple[str, ...]:
+        """The names whose object is no longer the one captured (what made :meth:`intact` false)."""
+        return tuple(name for name, (read, want) in zip(self._names, self._checks)
+                     if read() is not want and getattr(read(), MARK_ORIGINAL, None) is not want)
 
 
 # ---- the replacement ---------------------------------------------------------------------------------
@@ -115,6 +139,15 @@ def steps_aside() -> bool:
         return True
     m = torch.nn.modules.module
     return eager_transforms() or bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+
+
+def _why_aside() -> str:
+    """Which of :func:`steps_aside`'s conditions holds (for the observer)."""
+    if is_compiling():
+        return "compiling: torch.compile runs diffusers' code (Inductor fuses it)"
+    if eager_transforms():
+        return "torch.jit.trace, forward-mode AD or a functorch transform is active"
+    return "module-global forward hooks are registered"
 
 
 #: What every fused pattern is gated on: the diffusers release its fingerprints were taken on, and torch.
@@ -138,7 +171,11 @@ def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -
             if not steps_aside() and assumptions.intact():
                 out = body(self, *args, **kwargs)
                 if out is not FALLBACK:
+                    if observer is not None:
+                        observer.record(pattern, self, None)
                     return out
+            if observer is not None:
+                observer.record(pattern, self, _why_declined(assumptions, body))
             return original(self, *args, **kwargs)
 
         # The original's name and docstring; no __wrapped__ (inspect.unwrap / fingerprint see this function).
@@ -152,7 +189,20 @@ def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -
         return method
 
     make.__name__ = f"{pattern}_{getattr(body, '__name__', 'body')}"
+    make.__torchpatches_fused__ = pattern  # what torchpatches.coverage lists as this target's pattern
     return make
+
+
+def _why_declined(assumptions: Assumptions, body: Callable[..., Any]) -> str:
+    """Why a call ran diffusers' code (for the observer): the replacement's own checks first, then the last
+    predicate the body asked that said no, else the body's own shape and configuration checks."""
+    if steps_aside():
+        return _why_aside()
+    replaced = assumptions.replaced()
+    if replaced:
+        return f"a global the original reads was replaced: {', '.join(replaced)}"
+    said_no = observer.last_note() if observer is not None else None
+    return said_no or f"a shape or configuration the fused path does not serve ({getattr(body, '__name__', 'body')})"
 
 
 # ---- per-call predicates -----------------------------------------------------------------------------
@@ -161,13 +211,29 @@ def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -
 def fusable(x: Any, modules: Iterable[torch.nn.Module], *tensors: Optional[torch.Tensor]) -> bool:
     """``x`` is a plain float tensor on a device the fused tiers serve, autocast is off there, and no
     gradient would be recorded through ``x``, ``tensors`` or the parameters of ``modules``."""
-    return (
+    ok = (
         type(x) is torch.Tensor
         and x.dtype in FLOAT_DTYPES
         and (x.device.type == "cuda" or forced_tier() is not None)
         and not torch.is_autocast_enabled(x.device.type)
         and _grad_free(modules, x, *tensors)
     )
+    if not ok and observer is not None:
+        _note(why_not_fusable(x))
+    return ok
+
+
+def why_not_fusable(x: Any, dtypes: Iterable[torch.dtype] = FLOAT_DTYPES) -> str:
+    """Which of :func:`fusable`'s conditions ``x`` fails, in words (for the observer)."""
+    if type(x) is not torch.Tensor:
+        return f"the input is a {type(x).__name__}, not a plain torch.Tensor"
+    if x.dtype not in dtypes:
+        return f"dtype {x.dtype} (the fused ops serve {', '.join(str(d) for d in dtypes)})"
+    if x.device.type != "cuda" and forced_tier() is None:
+        return f"device {x.device.type}: the fused tiers serve CUDA"
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast is on (diffusers' result dtype would differ)"
+    return "a gradient is wanted (an input or a parameter requires grad)"
 
 
 def _grad_free(modules: Iterable[torch.nn.Module], *tensors: Optional[torch.Tensor]) -> bool:
@@ -203,7 +269,7 @@ def remembered(module: Any, key: Any, check: Callable[[], bool], children: Tuple
     dtype, device, width...) while the module's state and that of its ``children`` (submodule names: the same
     objects, in the same state) are unchanged (:func:`_state`); recomputed after any change. Worth it where
     ``check`` reads several submodules (each ``nn.Module.__getattr__`` costs about a microsecond)."""
-    if not isinstance(module, torch.nn.Module):
+    if not isinstance(module, torch.nn.Module) or observer is not None:  # observed: the checks say why not
         return check()
     try:
         modules = module.__dict__["_modules"]
@@ -227,13 +293,28 @@ def remembered(module: Any, key: Any, check: Callable[[], bool], children: Tuple
 
 def stock(module: Any, cls: type) -> bool:
     """``module`` is exactly ``cls`` and nothing observes or wraps its forward."""
-    return (
+    ok = (
         type(module) is cls
         and not module._forward_hooks
         and not module._forward_pre_hooks
         and "forward" not in module.__dict__  # accelerate and diffusers hooks replace the bound forward
         and module.__dict__.get("_compiled_call_impl") is None  # nn.Module.compile(): calls go to compiled code
     )
+    if not ok and observer is not None:
+        _note(_why_not_stock(module, cls))
+    return ok
+
+
+def _why_not_stock(module: Any, cls: type) -> str:
+    name = type(module).__name__
+    if type(module) is not cls:
+        relation = "a subclass of" if isinstance(module, cls) else "not"
+        return f"a submodule is {name}, {relation} {cls.__name__}"
+    if module._forward_hooks or module._forward_pre_hooks:
+        return f"a {name} submodule has forward hooks"
+    if "forward" in module.__dict__:
+        return f"a {name} submodule's forward is replaced on the instance (accelerate or diffusers hooks)"
+    return f"a {name} submodule is compiled (nn.Module.compile())"
 
 
 def _torch_own(fn: Any, module_name: str) -> Any:
@@ -288,7 +369,10 @@ def plain_layer_norm(norm: Any, width: int, cls: type = torch.nn.LayerNorm) -> b
     if not stock(norm, cls):
         return False
     params = norm._parameters  # exactly cls: weight and bias live there (one read instead of two __getattr__)
-    return params.get("weight") is None and params.get("bias") is None and tuple(norm.normalized_shape) == (width,)
+    ok = params.get("weight") is None and params.get("bias") is None and tuple(norm.normalized_shape) == (width,)
+    if not ok and observer is not None:
+        _note(f"a {cls.__name__} with affine parameters or of another width than {width}")
+    return ok
 
 
 def plain_rms_norm(norm: Any, x: torch.Tensor) -> bool:
@@ -296,7 +380,7 @@ def plain_rms_norm(norm: Any, x: torch.Tensor) -> bool:
     if not stock(norm, torch.nn.RMSNorm):
         return False
     weight = norm._parameters.get("weight")  # exactly RMSNorm: its weight lives there
-    return (
+    ok = (
         norm.eps is not None
         and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and tuple(norm.normalized_shape) == (x.shape[-1],)
@@ -304,6 +388,9 @@ def plain_rms_norm(norm: Any, x: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and weight.device == x.device
     )
+    if not ok and observer is not None:
+        _note("an RMSNorm without eps, without a weight, or whose weight's width, dtype or device is not the input's")
+    return ok
 
 
 def tensors_fit(*tensors: Optional[torch.Tensor], dtype: torch.dtype, device: torch.device) -> bool:
@@ -312,6 +399,8 @@ def tensors_fit(*tensors: Optional[torch.Tensor], dtype: torch.dtype, device: to
         if t is None:
             continue
         if type(t) is not torch.Tensor or t.dtype != dtype or t.device != device:
+            if observer is not None:
+                _note(f"a {type(t).__name__} of {t.dtype} on {t.device} where the fused path needs {dtype} on {device}")
             return False
     return True
 

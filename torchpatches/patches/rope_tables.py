@@ -42,7 +42,7 @@ import torch
 from .._core.declare import Patch
 from .._core.lazy import lazy_module
 from ..ops._runtime.tiers import POSITION_DTYPES, forced_tier
-from ._fused_common import CAT, FALLBACK, FUSED_REQUIRES, fused_target
+from ._fused_common import CAT, FUSED_REQUIRES, declined, fused_target, why_not_fusable
 
 __all__ = ["PATCH"]
 
@@ -87,12 +87,14 @@ def _ids_fit(ids: Any) -> bool:
 
 def _tables_for(self: Any, ids: Any, exact_axes: bool) -> Any:
     if not _ids_fit(ids):
-        return FALLBACK
+        return declined(why_not_fusable(ids, POSITION_DTYPES) if type(ids) is not torch.Tensor or ids.dim() == 2
+                        else "position ids that are not 2-D")
     dims, theta = _axes(self), _theta(self)
     if dims is None or theta is None:
-        return FALLBACK
+        return declined("axes_dim that are not positive even ints, or a theta that is not a positive number")
     if (ids.shape[1] != len(dims)) if exact_axes else (ids.shape[1] < len(dims)):
-        return FALLBACK  # FLUX.1 indexes axes_dim by ids' columns, FLUX.2 ids' columns by axes: its own error
+        # FLUX.1 indexes axes_dim by ids' columns, FLUX.2 ids' columns by axes: its own error
+        return declined("position ids whose columns do not match axes_dim")
     return _tables().rope_tables(ids, dims, theta)
 
 

@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from .._core.declare import Patch
-from ._fused_common import CAT, DROPOUT, FALLBACK, FUSED_REQUIRES, LINEAR, dropout, fusable, fused_target, linear, stock
+from ._fused_common import (CAT, DROPOUT, FALLBACK, FUSED_REQUIRES, LINEAR, declined, dropout, fusable, fused_target,
+                            linear, stock)
 
 __all__ = ["PATCH"]
 
@@ -88,9 +89,15 @@ def _call_ok(processor: Any, attn: Any, hidden_states: Any, encoder_hidden_state
         and (encoder_hidden_states is None or (
             type(encoder_hidden_states) is torch.Tensor and encoder_hidden_states.dim() == 3
             and encoder_hidden_states.shape[0] == hidden_states.shape[0]))
-        and attn.norm_q is not None
-        and (encoder_hidden_states is None or attn.norm_added_q is not None)
+        and _has_qk_norm(attn, encoder_hidden_states)
     )
+
+
+def _has_qk_norm(attn: Any, encoder_hidden_states: Any) -> bool:
+    if attn.norm_q is not None and (encoder_hidden_states is None or attn.norm_added_q is not None):
+        return True
+    declined("the attention has no q/k RMSNorm (qk_norm=None): nothing to fuse before attention")
+    return False
 
 
 def _heads(t: torch.Tensor, batch_size: int, heads: int, head_dim: int) -> torch.Tensor:
@@ -137,7 +144,7 @@ def _diffusers_qkv(attn: Any, q, k, v, eq, ek, ev) -> tuple:
 
 def _joint_attn(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
     if args or kwargs or attention_mask is not None:
-        return FALLBACK
+        return declined("an attention mask or extra arguments to the processor")
     if not _call_ok(self, attn, hidden_states, encoder_hidden_states):
         return FALLBACK
     # diffusers 0.42.1 JointAttnProcessor2_0.__call__ with the norm/concat stretch fused.
