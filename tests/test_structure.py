@@ -13,8 +13,8 @@ Which imports count (``if TYPE_CHECKING:`` blocks never do: they do not run):
   function-local ones too -- a lower module that reaches for the public API depends on everything the
   API imports. The CLI (``__main__`` and the demo it runs) sits above the API and may use it.
 
-Known violations that other branches are removing are expected failures (``strict``: the lead drops a
-mark once the fix is merged, else the test fails as "passed unexpectedly").
+Known violations being removed are expected failures (``strict``: once one is fixed, its entry must go, else the
+test fails as "passed unexpectedly").
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ MAX_LINES = 450
 #: Modules above the public API: the CLI and the demo it runs. Nothing else in the package imports them.
 ENTRY_POINTS = {f"{PACKAGE}.__main__", f"{PACKAGE}._demo"}
 
-#: Known cycles through function-local imports (their modules) -> the branch that breaks it.
+#: Known cycles through function-local imports (their modules) -> the change that breaks it.
 KNOWN_CYCLES: Dict[Tuple[str, ...], str] = {}
-#: Modules known to import the package __init__ from below -> the branch that removes the import.
+#: Modules known to import the package __init__ from below -> the change that removes the import.
 KNOWN_UPWARD: Dict[str, str] = {}
-#: Files known to be over MAX_LINES -> the branch that splits them.
+#: Files known to be over MAX_LINES -> the change that splits them.
 KNOWN_LONG: Dict[str, str] = {}
 
 
