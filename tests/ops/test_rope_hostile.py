@@ -228,7 +228,7 @@ def test_no_grad_mode_needs_no_autograd(monkeypatch: pytest.MonkeyPatch) -> None
 _OOR_CHILD = textwrap.dedent(
     """
     import json, sys, torch
-    from torchpatches.ops import rope
+    from torchpatches import ops
     tier = sys.argv[1]
     rows, r = 6, 8
     cache = torch.randn(rows, r)
@@ -237,11 +237,11 @@ _OOR_CHILD = textwrap.dedent(
     positions = torch.tensor([0, rows, -1, 2])   # two rows out of range
 
     def f(q, k, positions):
-        return rope.apply_rope_qk_with_cache(q, k, cache, positions, interleaved=False, tier=tier)
+        return ops.apply_rope_qk_with_cache(q, k, cache, positions, interleaved=False, tier=tier)
 
     out_q, out_k = torch.compile(f, fullgraph=True)(q, k, positions)
     good = torch.tensor([0, 3])
-    want_q, want_k = rope.apply_rope_qk_with_cache(q[good], k[good], cache, positions[good],
+    want_q, want_k = ops.apply_rope_qk_with_cache(q[good], k[good], cache, positions[good],
                                                    interleaved=False, tier="torch")
     print(json.dumps({
         "bad_rows_nan": bool(out_q[1:3].isnan().all() and out_k[1:3].isnan().all()),

@@ -233,15 +233,18 @@ def test_a_rebound_global_is_what_runs(case: str, monkeypatch: pytest.MonkeyPatc
     """A user's replacement of a function the fused stretch skips: the stretch runs diffusers' code with it."""
     owner, name, make = REBINDS[case]
     model, inputs = tiny("sd3")
-    monkeypatch.setattr(owner, name, make(getattr(owner, name)))
-    ref = reverted(model, inputs)
-    with force_tier("torch"):
-        out = run(model, inputs)
+    with monkeypatch.context() as rebound:
+        rebound.setattr(owner, name, make(getattr(owner, name)))
+        ref = reverted(model, inputs)  # re-applying skips what verifies the rebound function (sd3_qk_norm)
+        with force_tier("torch"):
+            out = run(model, inputs)
     assert torch.equal(out, ref)
     if case == "F.layer_norm":  # the block's glue and the adaLN modules step aside; the q/k stretch does not
         assert calls["modulate"] == 0 and calls["qk_norm_rope"] == 2
     else:
         assert calls["qk_norm_rope"] == 0 and calls["modulate"] == 11
+    torchpatches.apply()  # with the user's function gone, every pattern applies again (and later tests see them)
+    assert all(torchpatches.status()[name].state.value == "applied" for name in ("sd3_qk_norm", "sd3_block", "adaln"))
 
 
 # ---- torch.compile: the patterns step aside -------------------------------------------------------------
