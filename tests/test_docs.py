@@ -158,7 +158,7 @@ def test_slug_matches_github() -> None:
     assert anchors("# A\n```\n# not a heading\n```\n## A\n") == {"a", "a-1"}
 
 
-DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [README, *sorted((ROOT / "docs").rglob("*.md"))]  # the notes too
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.relative_to(ROOT).as_posix())

@@ -81,9 +81,9 @@ _interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (te
 
 
 def pick_config(block_d: int, interpreted: bool) -> dict[str, int]:
-    """Launch parameters. Measured on an H100 (benchmarks/NOTES-fused.md, run 2; again with the cast
-    rounding, docs/fused.md "The kernels' rounding"): one row per program with 4 warps for 4096-wide blocks and
-    8 warps for 8192 are the fastest or within 1% of it.
+    """Launch parameters. Measured on an H100 (docs/notes/fusion.md, "The LayerNorm kernels' bandwidth"; again
+    with the cast rounding, docs/notes/rounding.md): one row per program with 4 warps for 4096-wide blocks and 8
+    warps for 8192 are the fastest or within 1% of it.
 
     Read once per form (:func:`_launch_constants`). A benchmark sweeping configurations binds its own function
     here and calls ``_launch_constants.cache_clear()`` before and after (``benchmarks/_bench.launch_config``):

@@ -6,7 +6,7 @@ The functional collectives are what Dynamo traces and what autograd, transforms,
 see; c10d's synchronous collective is the same data movement without their Python layer. So c10d may stand in only
 for a plain, non-empty, real tensor that nothing records or intercepts, over a ``ProcessGroup`` that is not
 coalescing, outside a CUDA-graph capture (a graph that captured c10d's collective held the host at every replay for
-the whole step: docs/fused.md, "Context parallelism on two GPUs"). Compiling and transforms are checked by the
+the whole step: docs/notes/context_parallel.md, "diffusers' exchanges on the host"). Compiling and transforms are checked by the
 callers, next to ``is_compiling`` as the other patches do.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ What goes wrong upstream
     layer, an ``AsyncCollectiveTensor`` wrapper subclass, a ``reshape`` dispatched through that subclass'
     ``__torch_dispatch__`` (a pytree walk per op), then a ``wait_tensor`` op through the autograd layer again. The
     functional form is what Dynamo traces; in eager it is host work on a step that context parallelism already makes
-    host-bound (docs/fused.md, "Context parallelism on two GPUs": the host profile and the step times). No upstream
+    host-bound (docs/notes/context_parallel.md, "diffusers' exchanges on the host"; docs/context_parallel.md, Figures). No upstream
     issue as of diffusers 0.42.1.
 
 What the patch changes
@@ -25,7 +25,7 @@ What the patch changes
     with its own message, by torch release) or does not split evenly over the group (the original raises its own
     error), inside a ``_coalescing_manager`` block (c10d would defer the exchange), and while a CUDA graph is being
     captured (``torchpatches.cuda_graphs.graphed``): a graph that captured c10d's collective held the host at every
-    replay for the whole step (docs/fused.md, "Context parallelism on two GPUs").
+    replay for the whole step (docs/notes/context_parallel.md, "Through graphed").
 
 Versions
     diffusers 0.36 - 0.42: ``_all_to_all_single`` fingerprinted with tools/fingerprint_diffusers.py in 0.36.0,

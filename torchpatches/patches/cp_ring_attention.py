@@ -11,14 +11,14 @@ What goes wrong upstream
       each go through that subclass' ``__torch_dispatch__`` (a pytree walk per op) before the ``wait_tensor``. On
       a FLUX.1-dev step (57 attention calls) diffusers' ring step made 116,021 Python calls where its Ulysses step
       made 43,346 (rank 0 under cProfile), on a step that context parallelism already makes host-bound
-      (docs/fused.md, context parallelism on two H200s). The call also warns (``FutureWarning``:
+      (docs/context_parallel.md, Figures). The call also warns (``FutureWarning``:
       ``all_gather_tensor`` is deprecated) on torch 2.13 (not on 2.11), an error under ``-W error``; diffusers'
       output gather hook makes the same call once per step, which this patch does not change.
     - The merge of each ring step's partial output into the running one (``convert_to_fp32``, the default) is
       about ten torch ops over fp32 copies of ``[B, S, H, D]``: two casts, five ops for the output, three for
       the log-sum-exp, the final cast. On two ranks of FLUX.1-dev that is some 350 MB of memory traffic per
       attention call where one pass reads 2 x 14 MB and writes 14 MB, and about 570 launches per step
-      (docs/fused.md, context parallelism on two H200s).
+      (docs/context_parallel.md, Figures).
 
     No upstream issue as of diffusers 0.42.1.
 

@@ -11,8 +11,8 @@ What goes wrong upstream
     the GPU per attention call on two ranks, so the host cannot run ahead of the GPU. On two H200s FLUX.1-dev's step
     took 361-373 ms with ``ulysses_anything`` against 167-236 ms under plain Ulysses with the same (even) shards,
     torchpatches' fused glue made it slower still (1.05x / 1.11x: the GPU time it saves no longer overlaps anything),
-    and ``cpu:gloo,cuda:nccl`` (diffusers' own remedy: the lengths over gloo) measured 346-391 ms (docs/fused.md,
-    "Uneven shards"). The exchanges themselves go through the functional collectives
+    and ``cpu:gloo,cuda:nccl`` (diffusers' own remedy: the lengths over gloo) measured 346-391 ms (docs/notes/context_parallel.md,
+    "The uneven modes"). The exchanges themselves go through the functional collectives
     (``cp_all_to_all``'s banner says what that costs in eager). No upstream issue as of diffusers 0.42.1.
 
 What the patch changes

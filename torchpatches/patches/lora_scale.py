@@ -6,7 +6,7 @@ What goes wrong upstream
     ``pipe(..., joint_attention_kwargs={"scale": 0.8})`` -- calls ``scale_lora_layers(self, scale)`` before the
     forward and ``unscale_lora_layers(self, scale)`` after it, on every step. Each walks ``model.modules()``:
     generators nested one per tree level, and an ABC ``isinstance`` per module. FLUX.1 with adapters on its 17
-    projection kinds has 6,229 modules (most of them inside the LoRA layers); docs/fused.md ("``lora_scale``")
+    projection kinds has 6,229 modules (most of them inside the LoRA layers); docs/lora.md ("``lora_scale``")
     has the host time of the two walks per step, beside the fused step they delay. No upstream issue as of
     diffusers 0.42.1.
 

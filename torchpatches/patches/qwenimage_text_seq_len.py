@@ -6,8 +6,8 @@ What goes wrong upstream
     device=...)``: a Python int copied from pageable host memory to the GPU. torch makes that copy blocking, so the
     host waits for the GPU once per forward (a pipeline's next step cannot be queued behind the running one), and a
     CUDA-graph capture of the model fails ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless
-    the CPU tensor is pinned"): ``torchpatches.cuda_graphs.graphed`` ran QwenImage eagerly (docs/fused.md, "Uneven
-    shards"). The transformer discards the per-sample lengths the tensor feeds. No upstream issue as of
+    the CPU tensor is pinned"): ``torchpatches.cuda_graphs.graphed`` ran QwenImage eagerly (docs/notes/context_parallel.md,
+    "The uneven modes"). The transformer discards the per-sample lengths the tensor feeds. No upstream issue as of
     diffusers 0.42.1.
 
 What the patch changes

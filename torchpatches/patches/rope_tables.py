@@ -7,7 +7,7 @@ What goes wrong upstream
     ``repeat_interleave`` and two casts), then the axes are concatenated: 44 launches per call for FLUX.1's three
     axes, 58 for FLUX.2's four (measured: the launches the patch removes from a step). They run before the first
     transformer block, while the GPU has nothing else queued, so the GPU waits for the host through all of them
-    (docs/fused.md's host-time runs on one H200 measure those waits).
+    (docs/notes/fusion.md, "The prologue and rope_tables", measures those waits).
     ``torch.compile`` fuses them; eager users pay them on every step. No upstream issue or PR as of diffusers
     0.42.1.
 
