@@ -17,6 +17,16 @@ __all__ = ["CONFIGS", "build_model", "tiny_inputs"]
 Device = Union[str, torch.device]
 
 
+#: Shared by a tiny config and its variants below (each variant: the base with what differs).
+_SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
+            pos_embed_max_size=8)
+_QWENIMAGE = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                  num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+_WAN_FUSED = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
+                  text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=32)
+
 #: name -> (diffusers class, constructor arguments). Random weights, no download.
 CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     # 1 double + 1 single block. Pinned on it: compile_warnings' graph breaks, inductor_realize's
@@ -50,35 +60,17 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16, mlp_ratio=3.0,
         axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
     )),
-    "sd3": ("SD3Transformer2DModel", dict(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
-        pos_embed_max_size=8,
-    )),
+    "sd3": ("SD3Transformer2DModel", _SD3),
     # SD3.5-style (qk_norm="rms_norm"): 2 blocks, the last context_pre_only (AdaLayerNormContinuous, no
     # to_add_out). Pinned on it: the sd3 fused patterns' call counts (tests/patches/test_fused_sd3.py).
-    "sd3-fused": ("SD3Transformer2DModel", dict(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
-        pos_embed_max_size=8, qk_norm="rms_norm",
-    )),
+    "sd3-fused": ("SD3Transformer2DModel", dict(_SD3, num_layers=2, qk_norm="rms_norm")),
     # SD3.5-medium-style MMDiT-X: block 0 with dual attention (SD35AdaLayerNormZeroX, attn2).
-    "sd3-dual": ("SD3Transformer2DModel", dict(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
-        pos_embed_max_size=8, qk_norm="rms_norm", dual_attention_layers=(0,),
-    )),
-    "qwenimage": ("QwenImageTransformer2DModel", dict(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
-    )),
+    "sd3-dual": ("SD3Transformer2DModel", dict(_SD3, num_layers=2, qk_norm="rms_norm", dual_attention_layers=(0,))),
+    "qwenimage": ("QwenImageTransformer2DModel", _QWENIMAGE),
     # 2 double-stream blocks (the second gets the first's outputs), head dim 16, inputs with a padded
     # text mask. Pinned on it: the qwenimage_* fused-op call counts and tiny compile kernel counts
     # (tests/patches/test_fused_qwenimage.py).
-    "qwenimage-fused": ("QwenImageTransformer2DModel", dict(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
-    )),
+    "qwenimage-fused": ("QwenImageTransformer2DModel", dict(_QWENIMAGE, num_layers=2)),
     "wan": ("WanTransformer3DModel", dict(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, rope_max_seq_len=32,
@@ -86,17 +78,9 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     # Wan2.1 T2V's block options (q/k RMSNorm across heads, affine cross-attention norm), 2 blocks, 4 heads x 8;
     # 2 x 4 x 4 latent patches = 32 tokens, 8 text tokens. Pinned on it: the Wan fused-op call counts and tiny
     # compile kernel counts of tests/patches/test_fused_wan.py.
-    "wan-fused": ("WanTransformer3DModel", dict(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=1e-6, rope_max_seq_len=32,
-    )),
+    "wan-fused": ("WanTransformer3DModel", _WAN_FUSED),
     # wan-fused with Wan2.1 I2V's image context (added_kv_proj_dim, image embedder): 8 text + 4 image tokens.
-    "wan-fused-i2v": ("WanTransformer3DModel", dict(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4,
-        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=1e-6, rope_max_seq_len=32, image_dim=16, added_kv_proj_dim=32,
-    )),
+    "wan-fused-i2v": ("WanTransformer3DModel", dict(_WAN_FUSED, image_dim=16, added_kv_proj_dim=32)),
     "hunyuanvideo": ("HunyuanVideoTransformer3DModel", dict(
         in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=1,
         num_single_layers=1, num_refiner_layers=1, patch_size=1, patch_size_t=1, guidance_embeds=True,
