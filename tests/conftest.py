@@ -7,7 +7,7 @@ import sys
 import textwrap
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 
@@ -37,3 +37,24 @@ def make_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[...
     yield make
     for name in created:
         sys.modules.pop(name, None)
+
+
+@pytest.fixture(autouse=True)
+def _patches_left_as_found() -> Iterator[None]:
+    """A test that leaves a patch off (a user's function rebound while ``disabled()`` re-applied: the patch is then
+    skipped, correctly) would change what the tests after it in the worker see: the patches applied before a test
+    are applied again after it. Only where torchpatches is already imported (a test may need it not to be)."""
+    api = sys.modules.get("torchpatches")
+    before = _applied(api)
+    yield
+    api = sys.modules.get("torchpatches")
+    if api is not None and before:
+        lost = sorted(before - _applied(api))
+        if lost:
+            api.apply(lost)
+
+
+def _applied(api: object) -> set:
+    if api is None or not hasattr(api, "status"):
+        return set()
+    return {name for name, entry in api.status().items() if entry.state.value == "applied"}
