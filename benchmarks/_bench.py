@@ -1,6 +1,6 @@
-"""What the whole-model benchmarks share (``flux_fused.py``, ``dit.py``): building a model with random weights
-on the device, putting torchpatches into a variant's state, timing steps, classifying the profiler's kernels,
-comparing outputs, and the versions a result was measured with. Not a benchmark itself.
+"""What the benchmarks share: building a model with random weights on the device, putting torchpatches into a
+variant's state, timing steps (CUDA events) and host calls, classifying the profiler's kernels, comparing outputs,
+and the versions a result was measured with. Not a benchmark itself; it imports public torchpatches names only.
 
 Importing this module turns Inductor's caches off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``,
 ``TORCHINDUCTOR_AUTOGRAD_CACHE=0``) unless the caller set them, so that every compile is a real one: import it
@@ -15,7 +15,6 @@ os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
 
 import contextlib  # noqa: E402
 import gc  # noqa: E402
-import importlib  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
@@ -27,9 +26,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the tests' harness
 
-__all__ = ["build", "time_steps", "kernel_class", "kernel_times", "profile", "state", "rel_err", "versions", "summary",
-           "save_json", "compile_once", "command_line", "Clocks", "integer_rounding", "cuda_kernel", "host_us_per_call",
-           "stubbed_launches", "GcPauses"]
+__all__ = ["build", "time_steps", "time_back_to_back", "kernel_class", "kernel_times", "profile", "state", "rel_err",
+           "versions", "summary", "save_json", "compile_once", "command_line", "Clocks", "host_us_per_call",
+           "GcPauses"]
 
 
 def build(cls_name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -160,8 +159,8 @@ class GcPauses:
 
 class Clocks:
     """The GPU's SM clock (MHz), power draw (W) and active clock-event (throttle) reasons, sampled every 50 ms by
-    ``nvidia-smi -lms`` in the background, so a row's GPU time can be read against the clock it ran at (issue 17:
-    GEMM time rises when the elementwise kernels are fused away, in compiled steps too).
+    ``nvidia-smi -lms`` in the background, so a row's GPU time can be read against the clock it ran at (GEMM time
+    rises when the elementwise kernels are fused away: the GPU runs into its power cap at a lower clock).
 
     ``window()`` marks a timed stretch; ``stats(windows)`` summarises the samples inside those stretches. Without
     ``nvidia-smi`` (CPU runs) every ``stats`` is None."""
@@ -275,22 +274,11 @@ def profile(step: Callable[[], Any], steps: int = 2) -> Dict[str, Any]:
 def state(variant: str) -> Iterator[None]:
     """Put torchpatches into a variant's state for the block; the previous state afterwards.
 
-    ``vanilla``: every patch reverted; ``all``: every patch applied (what ``import torchpatches`` gives);
-    ``-NAME``: every patch but NAME; ``int-round``: ``all`` with the kernels' older integer rounding
-    (:func:`integer_rounding`); ``modulate:NAME``: ``all`` with a variant of the modulate kernel
-    (``modulate_variants.py``); ``checked``: ``all`` with the fusion patterns calling the ops' checked public entries
-    instead of their ``prechecked`` ones (:func:`checked_entries`); ``attn-forward``: ``all`` with the FLUX blocks
-    calling their attention modules (:func:`attention_forward`); ``module-calls``: ``all`` with the fused paths calling
-    their stock ``nn.Linear`` / ``nn.Dropout`` layers as modules (:func:`module_calls`); ``single:NAME``: ``all`` with
-    FLUX.1's single blocks computing ``proj_out`` without the concatenated buffer (``split_proj_out.py``);
-    ``no-glue``: ``all`` with every torchpatches Triton launch skipped (:func:`stubbed_launches`; the outputs are
-    wrong): what the fused step would take if its glue kernels cost nothing, the bound of any glue fusion;
-    ``rows:CAPxWARPS``: ``all`` with the row kernel (FLUX.1's single-block buffer) in that launch configuration
-    (``rows_sweep.py``). A trailing ``+`` (a repeated measurement) is ignored."""
+    ``vanilla``: every patch reverted (stock diffusers); ``all``: every patch applied (what ``import torchpatches``
+    gives); ``-NAME``: every patch but NAME. A trailing ``+`` (a repeated measurement) is ignored."""
     import torchpatches
 
     base = variant.rstrip("+")
-    prefix, colon, name = base.partition(":")
     if base == "vanilla":
         with torchpatches.disabled():
             yield
@@ -298,204 +286,11 @@ def state(variant: str) -> Iterator[None]:
     torchpatches.apply()
     if base == "all":
         yield
-    elif base == "int-round":
-        with integer_rounding():
-            yield
-    elif base == "checked":
-        with checked_entries():
-            yield
-    elif base == "attn-forward":
-        with attention_forward():
-            yield
-    elif base == "module-calls":
-        with module_calls():
-            yield
-    elif base == "no-glue":
-        with stubbed_launches():
-            yield
-    elif colon and prefix in _VARIANT_MODULES:
-        with importlib.import_module(_VARIANT_MODULES[prefix]).variant(name):
-            yield
-    elif base.startswith("-"):
+    elif base.startswith("-") and base[1:] in torchpatches.patch_names():
         with torchpatches.disabled(base[1:]):
             yield
     else:
-        raise ValueError(f"unknown variant {variant!r}")
-
-
-#: ``PREFIX:NAME`` variants: the benchmark module whose ``variant(NAME)`` context manager sets them up.
-_VARIANT_MODULES = {"modulate": "modulate_variants", "rows": "rows_sweep", "single": "split_proj_out"}
-
-
-@contextlib.contextmanager
-def attention_forward() -> Iterator[None]:
-    """``all`` with the FLUX blocks calling their attention modules (diffusers' attention ``forward``, its
-    ``inspect.signature`` lookup included) instead of the processors directly (round 12's change), for an A/B of
-    that change in one process."""
-    from torchpatches.patches import gate_residual
-
-    direct = gate_residual._processor_of
-    gate_residual._processor_of = lambda *args: None
-    try:
-        yield
-    finally:
-        gate_residual._processor_of = direct
-
-
-@contextlib.contextmanager
-def module_calls() -> Iterator[None]:
-    """``all`` with every fused path calling its stock ``nn.Linear`` / ``nn.Dropout`` layers as modules and
-    ``qk_norm_rope`` calling diffusers' ``_get_qkv_projections`` (what they did before issue 17 round 14's
-    ``_fused_common.linear`` / ``dropout``), for a timing A/B of that change in one process: the names are swapped in
-    each patch module that imported them. Each swapped call adds one Python frame (a lambda) to what round 13 ran:
-    count Python calls by comparing trees (``host_profile.py --stub-kernels``), not with this variant."""
-
-    import torchpatches.patches as patches
-    from torchpatches.patches import _fused_common, qk_norm_rope
-
-    modules = [importlib.import_module(f"{patches.__name__}.{name}") for name in _PATCHES_WITH_DIRECT_CALLS]
-    swaps = [(m, name, getattr(m, name)) for m in modules for name in ("linear", "dropout")
-             if getattr(m, name, None) is getattr(_fused_common, name)]
-    for module, name, _ in swaps:
-        setattr(module, name, lambda layer, x: layer(x))
-    swaps.append((qk_norm_rope, "_projections", qk_norm_rope._projections))
-    qk_norm_rope._projections = lambda module, attn, h, e: module._get_qkv_projections(attn, h, e)
-    try:
-        yield
-    finally:
-        for module, name, original in swaps:
-            setattr(module, name, original)
-
-
-#: The patch modules that call ``_fused_common.linear`` / ``dropout`` (:func:`module_calls`).
-_PATCHES_WITH_DIRECT_CALLS = ("adaln", "gate_residual", "qk_norm_rope", "sd3_block", "sd3_qk_norm", "wan_qk_norm_rope",
-                              "qwenimage_qk_norm_rope")
-
-
-@contextlib.contextmanager
-def checked_entries() -> Iterator[None]:
-    """The fusion patterns' op calls through the ops' public, checked entries (what they called before issue 17,
-    round 5), for an A/B of the ``prechecked`` entries against them in one process: each ``prechecked`` is replaced
-    by a function that calls the public entry with the same arguments."""
-    from torchpatches.ops import _lora as lora, _modulate as modulate, _qk_norm_rope as qk_norm_rope, _slices as slices
-
-    def modulate_checked(residual, gate, y, scale, shift, eps, *, clip=False, once=False):
-        rounding = "once" if once else "each"
-        if scale is None:
-            return [modulate.gate_residual(residual, gate, y, clip_fp16=clip, rounding=rounding)]
-        if y is None:
-            return [modulate.layer_norm_modulate(residual, scale, shift, eps=eps, rounding=rounding)]
-        if gate is None:
-            return list(modulate.residual_layer_norm_modulate(residual, y, scale, shift, eps=eps, clip_fp16=clip,
-                                                              rounding=rounding))
-        return list(modulate.gate_residual_layer_norm_modulate(residual, gate, y, scale, shift, eps=eps,
-                                                               clip_fp16=clip, rounding=rounding))
-
-    def qk_checked(q, k, cos, sin, q_weight, k_weight, eps, v=None, q_txt=None, k_txt=None, v_txt=None,
-                   q_txt_weight=None, k_txt_weight=None):
-        text = dict(v=v, q_txt=q_txt, k_txt=k_txt, v_txt=v_txt, q_txt_weight=q_txt_weight,
-                    k_txt_weight=k_txt_weight, eps_q_txt=eps[2], eps_k_txt=eps[3]) if q_txt is not None else {}
-        return qk_norm_rope.qk_norm_rope(q, k, cos, sin, q_weight=q_weight, k_weight=k_weight, eps_q=eps[0],
-                                         eps_k=eps[1], **text)
-
-    def lora_checked(x, weight, bias, adapters, *, gelu=False):
-        return lora.lora_linear(x, weight, bias, adapters, gelu=gelu, tier="epilogue")
-
-    def slices_checked(x, out, *, gelu):
-        return (slices.gelu_tanh_into if gelu else slices.copy_into)(x, out)
-
-    swaps = ((modulate, modulate_checked), (qk_norm_rope, qk_checked), (lora, lora_checked), (slices, slices_checked))
-    saved = [module.prechecked for module, _ in swaps]
-    for module, checked in swaps:
-        module.prechecked = checked
-    try:
-        yield
-    finally:
-        for (module, _), original in zip(swaps, saved):
-            module.prechecked = original
-
-
-#: The ops' modules whose ``kernel_for`` :func:`integer_rounding` swaps.
-TRITON_KERNEL_MODULES = ("_modulate_triton", "_qk_norm_rope_triton", "_rms_norm_rope_triton", "_rows_triton",
-                         "_swiglu_triton")
-
-
-@contextlib.contextmanager
-def integer_rounding() -> Iterator[None]:
-    """The fused ops' compiled kernels rebuilt with the integer bf16 rounding their CPU interpreter uses (what
-    compiled kernels used before issue 17, round 4), for an A/B against the cast in one process."""
-    import types
-
-    import triton
-
-    from torchpatches.ops._runtime import triton_common as _triton_common
-
-    helper = triton.jit(_triton_common.ROUND_TO_PY)
-    kernels: Dict[Any, Any] = {}
-    for name in TRITON_KERNEL_MODULES:
-        module = importlib.import_module(f"torchpatches.ops.{name}")
-        fn = module.kernel_for("cuda").fn
-        scope = dict(fn.__globals__, _round_to=helper)
-        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__annotations__, copy.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
-        kernels[module] = triton.jit(copy)
-    with contextlib.ExitStack() as stack:
-        for module, kernel in kernels.items():
-            stack.enter_context(cuda_kernel(module, kernel))
-        yield
-
-
-@contextlib.contextmanager
-def cuda_kernel(module: Any, kernel: Any) -> Iterator[None]:
-    """``kernel`` as the CUDA kernel of an ops module's ``kernel_for`` for the block (CPU tensors keep the
-    interpreter's)."""
-    original = module.kernel_for
-    module.kernel_for = lambda device_type: kernel if device_type == "cuda" else original(device_type)
-    try:
-        yield
-    finally:
-        module.kernel_for = original
-
-
-@contextlib.contextmanager
-def launch_config(**config: int) -> Iterator[None]:
-    """The fused kernels' launch configuration for the block: ``num_warps`` and ``ROWS`` (rows per program) of the
-    modulate kernels, ``num_warps`` of the rms_norm_rope kernel; what is not given stays the package's. Binds
-    wrappers of the ops modules' heuristics (``pick_config``, ``pick_num_warps``) and clears the modulate kernels'
-    per-form constants on entry and exit: the package reads nothing per call for this."""
-    from torchpatches.ops import _modulate_triton, _rms_norm_rope_triton
-
-    pick_config, pick_num_warps = _modulate_triton.pick_config, _rms_norm_rope_triton.pick_num_warps
-    _modulate_triton.pick_config = lambda block_d, interpreted: {**pick_config(block_d, interpreted), **config}
-    if "num_warps" in config:
-        _rms_norm_rope_triton.pick_num_warps = lambda elements, interpreted: config["num_warps"]
-    _modulate_triton._launch_constants.cache_clear()
-    try:
-        yield
-    finally:
-        _modulate_triton.pick_config, _rms_norm_rope_triton.pick_num_warps = pick_config, pick_num_warps
-        _modulate_triton._launch_constants.cache_clear()
-
-
-@contextlib.contextmanager
-def stubbed_launches() -> Iterator[None]:
-    """Every torchpatches kernel launch is a no-op: each ops module that binds ``_launch.launch`` at import (as
-    ``launch_kernel``) gets a no-op in its place. The modules are found, not listed: a list missed two of them."""
-    import pkgutil
-
-    import torchpatches.ops as ops
-
-    names = [info.name for info in pkgutil.iter_modules(ops.__path__) if "triton" in info.name]
-    modules = [m for m in (importlib.import_module(f"{ops.__name__}.{name}") for name in names)
-               if hasattr(m, "launch_kernel")]
-    saved = [m.launch_kernel for m in modules]
-    for m in modules:
-        m.launch_kernel = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        for m, launch in zip(modules, saved):
-            m.launch_kernel = launch
+        raise ValueError(f"unknown variant {variant!r}: vanilla, all or -NAME")
 
 
 def host_us_per_call(fn: Callable[[], Any], batch: int, repeats: int, sync: Callable[[], Any]) -> float:
@@ -528,10 +323,16 @@ def summary(times: List[float]) -> Dict[str, float]:
 
 
 def versions() -> Dict[str, str]:
+    """torch, diffusers, CUDA, Python, triton, torchpatches (and its git commit where the tree is a checkout), GPU."""
     import diffusers
 
+    import torchpatches
+
     info = {"torch": torch.__version__, "diffusers": diffusers.__version__, "cuda": str(torch.version.cuda),
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "torchpatches": torchpatches.__version__}
+    commit = _git_commit()
+    if commit:
+        info["commit"] = commit
     try:
         import triton
 
@@ -543,6 +344,23 @@ def versions() -> Dict[str, str]:
     return info
 
 
+def _git_commit() -> Optional[str]:
+    """The short commit of the checkout this file is in, ``+`` when it has changes; None outside a git checkout."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+" if dirty else "")
+
+
 def save_json(path: Optional[str], results: Dict[str, Any]) -> None:
     """Rewrite ``path`` with ``results`` (partial results survive a timeout); nothing without a path."""
     if path:
@@ -551,8 +369,8 @@ def save_json(path: Optional[str], results: Dict[str, Any]) -> None:
 
 
 def compile_once(device: torch.device) -> None:
-    """A 3-op ``torch.compile``: afterwards the process is in the state issue 17 measured a slower eager host
-    path in (any compile having run)."""
+    """A 3-op ``torch.compile``: afterwards the process is in the state where any compile has run (eager steps were
+    measured to enqueue slower there)."""
     torch.compile(lambda x: (x * 2).sin().sum())(torch.ones(4, device=device))
 
 

@@ -1,4 +1,4 @@
-"""The diffusion transformers ``dit.py`` (and ``flux_fused.py``) measure: production widths, random weights, and
+"""The diffusion transformers ``dit.py`` (and ``flux_cp.py``, ``flux_lora.py``) measure: production widths, random weights, and
 the inputs each diffusers 0.42.1 pipeline passes its transformer (read from ``pipelines/<model>/pipeline_*.py``).
 Batch 1 everywhere (SD3's pipeline runs batch 2 under classifier-free guidance; the others run cond and uncond as
 separate batch-1 calls). Not a benchmark itself.
@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
-__all__ = ["Spec", "SPECS", "flux_inputs", "layers_of", "with_layers", "tiny_config_name"]
+__all__ = ["Spec", "SPECS", "flux_inputs", "layers_of", "with_layers", "tiny_config_name", "tiny_config"]
 
 Randn = Callable[..., torch.Tensor]
 
@@ -150,3 +150,10 @@ def tiny_config_name(name: str) -> str:
     from harness import CONFIGS
 
     return f"{name}-fused" if f"{name}-fused" in CONFIGS else name
+
+
+def tiny_config(name: str) -> Dict[str, Any]:
+    """A copy of the harness's tiny config for a model (:func:`tiny_config_name`)."""
+    from harness import CONFIGS
+
+    return dict(CONFIGS[tiny_config_name(name)][1])

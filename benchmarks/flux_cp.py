@@ -1,4 +1,4 @@
-"""FLUX under diffusers' context parallelism, a process per GPU: vanilla vs ``import torchpatches`` (issue 17, goal 6).
+"""Diffusion transformers under diffusers' context parallelism, a process per GPU: vanilla vs ``import torchpatches``.
 
 Per model (FLUX.1-dev dims, and FLUX.2's 2 + 12 blocks with ``--models flux1,flux2``, 1024x1024; ``wan``: Wan2.1-T2V-14B
 widths, 4 of 40 blocks, 480x832x81; ``qwenimage``: Qwen-Image widths, 6 of 60 blocks, 1024x1024 and 256 masked text
@@ -19,9 +19,7 @@ synchronization (as a pipeline's loop runs them; on CUDA). Each rank measures it
 rank (the step ends when its last rank does), the JSON keeps every rank. Outputs: each variant against ``vanilla``
 of the same setting (the fused glue's rounding), and against one-gpu vanilla (what context parallelism itself
 changes; the first setting's vanilla with ``--no-one-gpu``). ``--profile``: rank 0's GPU kernel time by class and
-launches per step, per variant; ``--host-profile TOP``: rank 0's cProfile of vanilla and all (host_profile.py's
-grouping), and the fused ops' launches that fell back to ``kernel[grid]``.
-
+launches per step, per variant.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --json cp.json        # 2 GPUs
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/flux_cp.py --tiny                # CPU smoke (gloo)
@@ -51,12 +49,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _bench import GcPauses, profile, rel_err, save_json, state, time_back_to_back, time_steps, versions  # noqa: E402
-from _dit_models import SPECS  # noqa: E402
-from flux_fused import CONFIGS, TINY, build, inputs  # noqa: E402
+from _dit_models import SPECS, flux_inputs, tiny_config_name  # noqa: E402
 
-#: Models measured: FLUX.1 / FLUX.2 (flux_fused.py's configs), Wan2.1-T2V-14B's widths, 4 of 40 blocks, 480x832x81,
-#: and Qwen-Image's, 6 of 60 blocks (_dit_models.py; the CPU smoke run takes the harness's tiny models).
-MODELS = (*CONFIGS, "wan", "qwenimage")
+#: Models measured: FLUX.1-dev, FLUX.2's 2 + 12 blocks, Wan2.1-T2V-14B's widths, 4 of 40 blocks, 480x832x81, and
+#: Qwen-Image's, 6 of 60 blocks (_dit_models.py; the CPU smoke run takes the harness's tiny models).
+MODELS = ("flux1", "flux2", "wan", "qwenimage")
+FLUX = ("flux1", "flux2")
 #: Qwen-Image at 1024x1024 (64 x 64 = 4,096 packed tokens; the pipeline's default 1328x1328 gives 6,889, which
 #: diffusers' equal-size sharder cannot split in two), 256 text tokens of which 230 valid, as _dit_models.py.
 QWEN_SIDE = 64
@@ -100,23 +98,27 @@ def cpu_stand_ins(device: torch.device) -> Iterator[None]:
 
 
 def model_config(name: str, tiny: bool) -> Dict[str, Any]:
-    if name not in CONFIGS:
+    if tiny:
         from harness import CONFIGS as HARNESS
 
-        return dict(HARNESS[f"{name}-fused"][1]) if tiny else dict(SPECS[name].config)
-    return (TINY if tiny else CONFIGS)[name]
+        return dict(HARNESS[tiny_config_name(name)][1])
+    return dict(SPECS[name].config)
+
+
+def build(name: str, config: Dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    return _bench.build(SPECS[name].cls_name, config, device, dtype)
 
 
 def model_inputs(name: str, config: Dict[str, Any], tiny: bool, device: torch.device,
                  dtype: torch.dtype, qwen_side: int = 0) -> Dict[str, Any]:
     """The model's inputs as its pipeline passes them, drawn from a seeded CPU generator (equal on every rank)."""
-    if name in CONFIGS:
+    if name in FLUX:
         side, text = (64, 8) if tiny else (1024, 512)
-        return inputs(name, config, side, text, device, dtype)
+        return flux_inputs(name, config, side, text, device, dtype)
     if tiny:
         from harness import tiny_inputs
 
-        return tiny_inputs(f"{name}-fused", dtype=dtype, device=device)
+        return tiny_inputs(tiny_config_name(name), dtype=dtype, device=device)
     generator = torch.Generator(device="cpu").manual_seed(1)
     feed = SPECS[name].inputs(config, lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype),
                               device, dtype)
@@ -182,25 +184,10 @@ def measure_setting(model: torch.nn.Module, feed: Dict[str, Any], args: argparse
                         rows[variant]["output"] = step()[0].float().cpu()
                         if args.profile and device.type == "cuda":
                             rows[variant]["profile"] = profile(step)  # "top": the 30 longest kernels (JSON)
-        if args.host_profile:
-            from host_profile import profile_steps
-
-            for variant in ("vanilla", "all"):
-                with state(variant):
-                    rows[variant]["host_profile"] = profile_steps(step_of[variant], device, 3, args.host_profile)
     pauses.close()
     if wrapper is not None:
         rows["graph_info"] = repr(wrapper.info())
-    rows["launch_fallbacks"] = launch_fallbacks()
     return rows
-
-
-def launch_fallbacks() -> Dict[str, int]:
-    """Triton launches the fused ops handed to ``kernel[grid]`` instead of the cached launcher, per kernel (so far)."""
-    from torchpatches.ops._runtime import launch as _launch
-
-    return {site.kernel.fn.__name__: site.fallbacks for site in list(_launch._SITES.values())
-            if getattr(site, "fallbacks", 0)}
 
 
 def best(rounds: List[Dict[str, float]], key: str) -> Optional[float]:
@@ -213,7 +200,7 @@ def summarize_setting(rows: Dict[str, Any], reference: torch.Tensor) -> Dict[str
     """One rank's rows of a setting for the JSON: best rounds, all rounds, output errors, profile."""
     out: Dict[str, Any] = {}
     for variant, row in rows.items():
-        if variant in ("graph_info", "launch_fallbacks"):
+        if variant == "graph_info":
             out[variant] = row
             continue
         out[variant] = {
@@ -221,7 +208,7 @@ def summarize_setting(rows: Dict[str, Any], reference: torch.Tensor) -> Dict[str
             "back_to_back_ms": best(row["rounds"], "back_to_back_ms"), "rounds": row["rounds"],
             "rel_err_vs_vanilla": rel_err(row["output"], rows["vanilla"]["output"]),
             "rel_err_vs_reference_vanilla": rel_err(row["output"], reference),
-            **{k: row[k] for k in ("profile", "host_profile") if k in row},
+            **{k: row[k] for k in ("profile",) if k in row},
         }
     return out
 
@@ -266,10 +253,10 @@ def _x(value: Optional[float], base: Optional[float]) -> str:
 
 
 def print_rounds(setting: str, entry: Dict[str, Any]) -> None:
-    """Every round, the slowest rank: step / back to back ms and their ratios to vanilla (goal 6 asks every one to be
-    at or under 1), the ranks' thread CPU ms (median step) and Python's full GC passes in the timed stretches."""
+    """Every round, the slowest rank: step / back to back ms and their ratios to vanilla (torchpatches should be at
+    or under 1 in every round), the ranks' thread CPU ms (median step) and Python's full GC passes in the timed stretches."""
     ranks = entry[setting]
-    variants = [v for v in ranks[0] if v not in ("graph_info", "launch_fallbacks")]
+    variants = [v for v in ranks[0] if v != "graph_info"]
 
     def worst(variant: str, index: int, key: str) -> float:
         return max(rank[variant]["rounds"][index].get(key) or 0.0 for rank in ranks)
@@ -295,7 +282,7 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
               f"{'/1gpu van':>9} {'rel err':>9}")
     rows = entry[setting][0]
     one = slowest(entry, "one-gpu", "vanilla", "step_ms") if "one-gpu" in entry else None
-    for variant in (v for v in rows if v not in ("graph_info", "launch_fallbacks")):
+    for variant in (v for v in rows if v != "graph_info"):
         step, host, b2b = (slowest(entry, setting, variant, k) for k in ("step_ms", "host_ms", "back_to_back_ms"))
         err = max(rank[variant]["rel_err_vs_vanilla"] for rank in entry[setting])
         print(f"{setting:<16} {variant:<15} {step:7.1f} {host:7.1f} {b2b if b2b is not None else float('nan'):7.1f} "
@@ -310,14 +297,6 @@ def print_setting(name: str, setting: str, entry: Dict[str, Any], seconds: float
             classes = " ".join(f"{k} {v:.1f}" for k, v in p["ms_by_class"].items())
             print(f"{'':<9} rank 0 {variant}: GPU {p['gpu_kernel_ms']:.1f} ms ({classes}), "
                   f"{p['launches_per_step']:.0f} launches")
-        if isinstance(row, dict) and "host_profile" in row:
-            h = row["host_profile"]
-            groups = ", ".join(f"{k} {v:.1f}" for k, v in h["self_ms_by_group"].items())
-            print(f"{'':<9} rank 0 {variant} host: {h['host_ms']:.1f} ms unprofiled, self ms by group: {groups}")
-            for self_ms, calls, cum_ms, where in h["top"]:
-                print(f"{'':<11} {self_ms:7.2f} ms {calls:7.0f} calls {cum_ms:8.2f} cum  {where}")
-    if rows["launch_fallbacks"]:
-        print(f"{'':<9} rank 0 kernel[grid] fallbacks so far: {rows['launch_fallbacks']}")
     print(f"{'':<9} ({seconds:.0f} s)", flush=True)
 
 
@@ -340,8 +319,6 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--back-to-back", type=int, default=8, help="steps per unsynchronized run (0: none)")
     p.add_argument("--graphed", action="store_true", help="also every variant through cuda_graphs.graphed")
     p.add_argument("--profile", action="store_true", help="rank 0's kernel time by class, per variant")
-    p.add_argument("--host-profile", type=int, default=0, metavar="TOP",
-                   help="cProfile 3 steps of vanilla and all per setting: self time by group, the TOP functions")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.collect(); gc.freeze() once each setting's model is built (Python's full collections "
                         "then skip every object that existed by then)")

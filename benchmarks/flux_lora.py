@@ -1,6 +1,7 @@
-"""FLUX.1-dev eager step with peft LoRA adapters loaded and unfused: vanilla vs ``import torchpatches`` (issue 17).
+"""FLUX.1-dev eager step with peft LoRA adapters loaded and unfused: vanilla vs ``import torchpatches``.
 
-Model and inputs as ``benchmarks/flux_fused.py`` (FLUX.1-dev dims, random bf16 weights, 1024x1024, batch 1).
+Model and inputs as ``dit.py``'s ``flux1`` (``_dit_models.py``: FLUX.1-dev dims, random bf16 weights, 1024x1024,
+batch 1).
 Rank-64 adapters (random A and B, ``lora_alpha`` = rank) on to_q/k/v, to_out.0, add_q/k/v_proj, to_add_out,
 ff(_context).net.0.proj / .net.2, proj_mlp, proj_out, norm1(_context).linear, norm.linear, loaded through
 diffusers' ``load_lora_adapter``. Cases, in this order on one model:
@@ -22,7 +23,6 @@ drop its graphs; the first call of each state and case captures) to the alternat
     python benchmarks/flux_lora.py --without lora_scale       # also every patch but lora_scale, alternated
     python benchmarks/flux_lora.py --graphed                  # also through cuda_graphs.graphed (opt-in), both states
     python benchmarks/flux_lora.py --graphed --unwatched      # and graphed(watch_model=False): the check's share
-    python benchmarks/flux_lora.py --graphed --watch-baseline REV   # and the model check of revision REV
     python benchmarks/flux_lora.py --cases one,two --back-to-back 10  # two cases; also steps not synchronized
 """
 from __future__ import annotations
@@ -39,8 +39,9 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from flux_fused import CONFIGS, TINY, build, inputs, rel_err, state, time_steps, versions  # noqa: E402
-from _bench import time_back_to_back  # noqa: E402
+import _bench  # noqa: E402,I001  (before torch's Inductor: turns its caches off)
+from _bench import rel_err, state, time_back_to_back, time_steps, versions  # noqa: E402
+from _dit_models import SPECS, flux_inputs, tiny_config  # noqa: E402
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
            "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out",
@@ -93,7 +94,7 @@ LAYERS = [("to_q/k/v, to_out.0", 4096, 3072, 3072, False), ("ff.net.0.proj (+GEL
 
 def layers(args: argparse.Namespace) -> Dict[str, Any]:
     """Each shape once: ``ops.lora_linear`` epilogue tier vs its torch tier (peft's and diffusers' op order)."""
-    from torchpatches.ops._lora import lora_linear
+    from torchpatches.ops import lora_linear
 
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype, scale = (torch.float32, 16) if args.tiny else (torch.bfloat16, 1)
@@ -129,27 +130,18 @@ def best_ms(row: Dict[str, Any], variant: str) -> float:
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    config = (TINY if args.tiny else CONFIGS)["flux1"]
+    config = tiny_config("flux1") if args.tiny else dict(SPECS["flux1"].config)
     side, text = (64, 8) if args.tiny else (1024, 512)
-    model = build("flux1", config, device, dtype)
-    feed = inputs("flux1", config, side, text, device, dtype)
+    model = _bench.build(SPECS["flux1"].cls_name, config, device, dtype)
+    feed = flux_inputs("flux1", config, side, text, device, dtype)
     results: Dict[str, Any] = {"versions": versions(), "rank": args.rank, "cases": {}}
-    graph = unwatched = graph_baseline = None
-    check_times: Dict[str, List[float]] = {}
+    graph = unwatched = None
     if args.graphed:  # one wrapper: each case's adapters drop its graphs, each patch state finds its own
         from torchpatches.cuda_graphs import graphed
 
         graph = graphed(model)
         # the same without the model check before each replay (reset by hand after each case's changes)
         unwatched = graphed(model, watch_model=False) if args.unwatched else None
-        if args.watch_baseline:  # a third wrapper whose model check is ModelWatch as another revision wrote it
-            from model_watch import watch_class_at
-
-            graph_baseline = graphed(model)
-            baseline_class = watch_class_at(args.watch_baseline)
-            check_times["baseline"], check_times["current"] = [], []
-            timed_checks(graph_baseline, check_times["baseline"], baseline_class)
-            timed_checks(graph, check_times["current"], None)
     for name, setup, extra in cases(model, args.rank):
         setup()
         model.eval()  # adapters are added in training mode (their dropout is nn.Identity here anyway)
@@ -159,14 +151,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             unwatched.reset()
         row: Dict[str, Any] = {}
         outputs: Dict[str, torch.Tensor] = {}
-        first = ("vanilla", "all") + (("checked",) if args.checked else ()) + tuple(f"-{n}" for n in args.without)
+        first = ("vanilla", "all") + tuple(f"-{n}" for n in args.without)
         first += ("graph:vanilla", "graph:all") if graph is not None else ()
         first += ("unwatched:all",) if unwatched is not None else ()
-        first += ("baseline:all",) if graph_baseline is not None else ()
-        for times in check_times.values():
-            times.clear()
         for variant in first + tuple(v + "+" for v in first) + ("-lora",):  # A B (C) A B (C)
-            call = {"graph": graph, "unwatched": unwatched, "baseline": graph_baseline}.get(variant.split(":")[0], model)
+            call = {"graph": graph, "unwatched": unwatched}.get(variant.split(":")[0], model)
             with state(variant.split(":", 1)[-1]), torch.inference_mode():
                 step = lambda: call(**feed, **extra)  # noqa: E731
                 outputs[variant] = step()[0].float()
@@ -184,11 +173,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
               f"torchpatches {row['all']['median_ms']:.2f}/{row['all+']['median_ms']:.2f} ms ({row['ratio']:.3f}x; "
               f"host {row['all']['host_ms']:.1f} ms), all but lora {row['-lora']['median_ms']:.2f} ms "
               f"({row['ratio_without_lora']:.3f}x), rel err {row['rel_err_vs_vanilla']:.2e}", flush=True)
-        if args.checked:
-            row["ratio_checked"] = best_ms(row, "checked") / van
-            print(f"[{name}] patterns through the checked entries {row['checked']['median_ms']:.2f}/"
-                  f"{row['checked+']['median_ms']:.2f} ms ({row['ratio_checked']:.3f}x; host "
-                  f"{row['checked']['host_ms']:.1f} ms)", flush=True)
         if graph is not None:
             for kind in ("vanilla", "all"):
                 row[f"ratio_graph_{kind}"] = best_ms(row, f"graph:{kind}") / van
@@ -209,32 +193,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             print(f"[{name}] every patch but {patch} {a['median_ms']:.2f}/{b['median_ms']:.2f} ms "
                   f"({without / van:.3f}x; host {a['host_ms']:.1f} / {b['host_ms']:.1f} ms, all {row['all']['host_ms']:.1f} / "
                   f"{row['all+']['host_ms']:.1f} ms)", flush=True)
-        if graph_baseline is not None:
-            row["ratio_baseline_all"] = best_ms(row, "baseline:all") / van
-            row["check_ms"] = {k: statistics.median(v) if v else float("nan") for k, v in check_times.items()}
-            print(f"[{name}] graphed, {args.watch_baseline}'s model check: every patch {row['ratio_baseline_all']:.3f}x "
-                  f"(host {row['baseline:all']['host_ms']:.1f} ms); check in the step, median: "
-                  f"{row['check_ms']['baseline']:.2f} ms, this tree's {row['check_ms']['current']:.2f} ms", flush=True)
     return results
-
-
-def timed_checks(wrapper: Any, times: List[float], watch_class: Any) -> None:
-    """Record the wall ms of each model check ``wrapper`` makes, made with ``watch_class`` if one is given."""
-    import torchpatches.cuda_graphs as cuda_graphs
-
-    check = wrapper._check_model
-
-    def timed() -> None:
-        saved = cuda_graphs.ModelWatch
-        if watch_class is not None:
-            cuda_graphs.ModelWatch = watch_class
-        t0 = time.perf_counter()
-        try:
-            check()
-        finally:
-            times.append((time.perf_counter() - t0) * 1e3)
-            cuda_graphs.ModelWatch = saved
-    wrapper._check_model = timed
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -244,17 +203,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--layers", action="store_true", help="only the per-layer table (no model)")
-    parser.add_argument("--checked", action="store_true",
-                        help="also the 'checked' variant: the patterns through the ops' checked entries")
     parser.add_argument("--without", action="append", default=[], metavar="PATCH",
                         help="also every patch but PATCH, in the A B alternation (repeatable): --without lora_scale")
     parser.add_argument("--graphed", action="store_true",
                         help="also the step through torchpatches.cuda_graphs.graphed, vanilla and every patch")
     parser.add_argument("--unwatched", action="store_true",
                         help="with --graphed: also every patch through graphed(watch_model=False), the model check's share")
-    parser.add_argument("--watch-baseline", metavar="REV",
-                        help="with --graphed: also every patch through a wrapper whose model check is ModelWatch as "
-                        "git revision REV (or a copy of its _graph_keys.py) wrote it; prints each check's time")
     parser.add_argument("--cases", type=lambda text: text.split(","), default=None,
                         help="comma-separated cases to measure (one,two,scale,hotswap; default all)")
     parser.add_argument("--back-to-back", type=int, default=0, metavar="N",

@@ -8,7 +8,7 @@ with the `eager` backend (graph breaks do not depend on the backend).
     python benchmarks/graph_breaks.py --json out.json # and the rows as JSON
     python benchmarks/graph_breaks.py --model flux1   # one model
 
-The models and argument forms are torchpatches._harness.GRAPH_BREAK_CASES, which the test suite
+The models and argument forms are the harness's GRAPH_BREAK_CASES (tests/harness), which the test suite
 (tests/patches/test_compile_warnings.py) asserts on, so the table and the tests measure the same programs.
 """
 from __future__ import annotations

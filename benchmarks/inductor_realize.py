@@ -2,14 +2,14 @@
 
 Each program is compiled twice from scratch (``torch._dynamo.reset()``, FX-graph and AOTAutograd
 caches off), once with the patch reverted and once applied, and the generated code is measured with
-``torchpatches._harness.inductor_report`` (kernels, nests, loads, buffers, bytes: see
-``torchpatches._harness.InductorReport`` for what each counts).
+``torchpatches.testing.inductor_report`` (kernels, nests, loads, buffers, bytes: see
+``torchpatches.testing.InductorReport`` for what each counts).
 
     python benchmarks/inductor_realize.py                 # CPU, every program, a table
     python benchmarks/inductor_realize.py --json out.json --programs flux_tiny residual_chain
     python benchmarks/inductor_realize.py --device cuda --time   # GPU: also median step times
 
-The programs are ``torchpatches._harness.REALIZE_PROGRAMS``, the equivalence-test programs of
+The programs are the harness's ``REALIZE_PROGRAMS`` (tests/harness), the equivalence-test programs of
 tests/patches/test_inductor_realize.py, so the test and the table cannot drift apart.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Host time of diffusers' per-forward LoRA scale walk: ``scale_lora_layers`` + ``unscale_lora_layers`` (issue 17).
+"""Host time of diffusers' per-forward LoRA scale walk: ``scale_lora_layers`` + ``unscale_lora_layers``.
 
 A forward given ``joint_attention_kwargs={"scale": s}`` (s != 1) runs both once. This times the pair on FLUX.1's
 module tree (19 + 38 blocks, the tiny widths: the walk depends on the modules, not their sizes) with
@@ -30,12 +30,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     import diffusers.utils.peft_utils as peft_utils
     import flux_lora
-    from flux_fused import TINY, build
+    from _dit_models import SPECS, tiny_config
 
     import torchpatches
 
-    config = dict(TINY["flux1"], num_layers=19, num_single_layers=38)
-    model = build("flux1", config, torch.device("cpu"), torch.float32)
+    config = dict(tiny_config("flux1"), num_layers=19, num_single_layers=38)
+    model = _bench.build(SPECS["flux1"].cls_name, config, torch.device("cpu"), torch.float32)
     results: Dict[str, Any] = {"versions": _bench.versions(), "command": _bench.command_line(argv), "cases": {}}
     print(f"{'case':<8}{'modules':>8}{'layers':>8}{'diffusers us':>14}{'patched us':>12}{'ratio':>8}")
 

@@ -19,7 +19,7 @@ import torch
 
 
 def bucket_rows(edges: List[float], tokens: int = 64, heads: int = 4, width: int = 128) -> List[Dict[str, Any]]:
-    from torchpatches.ops._lse_merge import lse_merge
+    from torchpatches.ops import lse_merge
 
     tiny = torch.finfo(torch.float32).tiny
     g = torch.Generator(device="cuda").manual_seed(0)
