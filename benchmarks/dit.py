@@ -1,12 +1,13 @@
-"""One benchmark for the diffusion transformers torchpatches serves: FLUX.1, FLUX.2, Wan 2.x, QwenImage, SD3.5.
+"""The model runner: every diffusion transformer torchpatches serves (FLUX.1, FLUX.2, Wan 2.x, QwenImage, SD3.5), eager
+and compiled, with and without torchpatches, in one table per model; ``--plot`` draws the charts.
 
 Production widths, random bf16 weights built on the GPU, batch 1, the inputs each diffusers pipeline passes
 (``_dit_models.py`` says which shapes, layer subsets and inputs). For each model, in one process:
 
   eager/vanilla        every torchpatches patch reverted (``torchpatches.disabled()``): stock diffusers
   eager/all            every patch applied (what ``import torchpatches`` gives)
-  eager/-NAME          every patch but the fused pattern NAME, for each pattern that runs on the model (found
-                       by tracing one eager step: a pattern's body ran and did not hand the call back)
+  eager/-NAME          every patch but the fused pattern NAME, for each pattern that runs on the model (found by
+                       ``torchpatches.coverage`` on one eager step: the pattern fused at least one call)
   regional/vanilla     regional compile, ``fullgraph=True``: each of the model's ``_repeated_blocks``
                        (diffusers' ``compile_repeated_blocks``), or each block where the model declares none
   regional/all         the same with every patch applied
@@ -15,9 +16,9 @@ Production widths, random bf16 weights built on the GPU, batch 1, the inputs eac
                        blocks (weights shared) and is compared with ``full/eager-vanilla`` on the same blocks
   graph/vanilla        the eager step through ``torchpatches.cuda_graphs.graphed`` (one CUDA graph per patch state, both
   graph/all            rows share one wrapper and its memory pool; first call = warm-up + capture); CPU: eager calls
-  after/vanilla        the eager steps again after the compiles (issue 17: a process where torch.compile has
-  after/all            run enqueues eager steps slower); ``--after-compile`` compiles a 3-op function first
-                       instead, so that every eager row is in that state
+  after/vanilla        the eager steps again after the compiles (a process where torch.compile has run enqueues
+  after/all            eager steps slower); ``--after-compile`` compiles a 3-op function first instead, so that
+                       every eager row is in that state
 
 Rows of a phase are timed in rounds, A B C .. A B C .. (``--rounds``), CUDA events, ``--steps`` steps per row
 and round after ``--warmup``; the median over all rounds, and the spread of the round medians. Each compiled
@@ -27,14 +28,21 @@ vanilla and to the faster vanilla compile, GPU kernel ms by class (GEMM / attent
 step (torch.profiler), host ms (wall time of enqueueing one step on an empty queue), GPU idle ms (step minus
 kernel time), ||out - ref|| / ||ref|| against eager vanilla (compiled + patches also against its vanilla
 compile), and the GPU's median SM clock, power and share of samples with a power/thermal clock-event reason
-while the row was timed (``nvidia-smi -lms 50`` in the background). Inductor's caches are off. ``--json PATH`` is rewritten after every first call and round, so a run
-cut short keeps what it measured; ``--summary`` prints the tables of such files again.
+while the row was timed (``nvidia-smi -lms 50`` in the background). Inductor's caches are off. ``--json PATH``
+is rewritten after every first call and round, so a run cut short keeps what it measured.
 
-    python benchmarks/dit.py --models wan --json wan.json                      # GPU
-    python benchmarks/dit.py --models flux1 --variants eager,regional --layers flux1=19+38
-    python benchmarks/dit.py --models flux1 --variants eager,graph,regional --layers flux1=19+38
+A model's eager rows are "fresh" only in a process where nothing was compiled yet: on a GPU, run one model per
+process and merge the files (``--summary``). ``--summary FILE...`` prints the tables of earlier runs (a file of
+``--json``, or a per-GPU results file such as ``results/h200.json``, whose ``dit`` section it reads); with
+``--json`` it writes them merged into one file. ``--plot DIR`` draws, from the run or from ``--summary``'s files,
+``DIR/dit-<gpu>-step.png`` (step time per model and variant, labelled with ratios) and ``DIR/dit-<gpu>-gpu-time.png``
+(GPU time by class, GEMM / attention / other, and the rest of the step: host / idle), with matplotlib.
+
+    python benchmarks/dit.py --models wan --json wan.json                      # GPU, one model
+    python benchmarks/dit.py --models flux1 --variants eager,each,graph,regional --rounds 3 --json flux1.json
+    python benchmarks/dit.py --summary flux1.json wan.json --json dit.json --plot docs/img
     python benchmarks/dit.py --tiny                                            # CPU smoke test, all models
-    python benchmarks/dit.py --tiny --models sd3 --variants eager,each,regional,full,after
+    python benchmarks/dit.py --tiny --models sd3 --variants eager,each,regional,full,after --plot /tmp/charts
 """
 from __future__ import annotations
 
@@ -48,7 +56,6 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
-import importlib  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -69,93 +76,26 @@ CLOCKS: Optional[_bench.Clocks] = None  # the GPU's clock and power while rows a
 # ---- which fused patterns run on a model ------------------------------------------------------------
 
 
-def fused_patterns() -> Dict[str, types.ModuleType]:
-    """name -> patch module of every applied registry patch declared through ``fused()`` (the eager fusion
-    patterns; new ones are found without a list here)."""
+def pattern_activity(model: torch.nn.Module, feed: Dict[str, Any]) -> Tuple[Dict[str, Dict[str, Any]], Any]:
+    """Per fusion pattern, in one eager step with every patch applied (``torchpatches.coverage``): calls ``fused``,
+    calls handed to diffusers' code (``declined``) and why; and coverage's own timing (on CUDA: the step with and
+    without torchpatches, alternated)."""
     import torchpatches
-    from torchpatches.patches import PATCH_MODULES, _fused_common
 
-    applied = {name for name, row in torchpatches.status().items() if row.state.value == "applied"}
-    found = {}
-    for module_name in PATCH_MODULES:
-        module = importlib.import_module(f"torchpatches.patches.{module_name}")
-        patch = getattr(module, "PATCH", None)
-        if patch is None or patch.name not in applied:
-            continue
-        if any(getattr(t.make_replacement, "__module__", None) == _fused_common.__name__ for t in patch.targets):
-            found[patch.name] = module
-    return found
-
-
-def _bodies(patches: Dict[str, types.ModuleType]) -> Dict[types.CodeType, str]:
-    """code -> pattern of the functions each bound replacement closes over (its body), the original left out.
-
-    Followed through a shim around ``fused()``'s replacement (QwenImage's processor keeps the original's parameter
-    list and holds the replacement in a tuple): the shared replacement code of ``_fused_common`` is walked through,
-    never counted as one pattern's body."""
-    from torchpatches._core.slot import MARK_ORIGINAL, MARK_PATCH
-    from torchpatches.patches import _fused_common
-
-    def closed_over(fn: Any, original: Any, depth: int) -> Iterator[Any]:
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            for v in value if isinstance(value, tuple) else (value,):
-                if v is original or not isinstance(getattr(v, "__code__", None), types.CodeType):
-                    continue
-                if v.__code__.co_filename == _fused_common.__file__:
-                    if depth:
-                        yield from closed_over(v, original, depth - 1)
-                else:
-                    yield v
-
-    codes = {}
-    for name, module in patches.items():
-        for target in module.PATCH.targets:
-            module_name, qualname = target.path.split(":", 1)
-            obj: Any = sys.modules.get(module_name)
-            for part in qualname.split("."):
-                obj = getattr(obj, part, None)
-            if getattr(obj, MARK_PATCH, None) != name:
-                continue
-            for body in closed_over(obj, getattr(obj, MARK_ORIGINAL, None), 2):
-                codes[body.__code__] = name
-    return codes
+    report = torchpatches.coverage(model, **feed)
+    found: Dict[str, Dict[str, Any]] = {}
+    for row in report.rows:
+        entry = found.setdefault(row["pattern"], {"fused": 0, "declined": 0, "reasons": []})
+        if row["fused"]:
+            entry["fused"] += row["calls"]
+        else:
+            entry["declined"] += row["calls"]
+            entry["reasons"].append(f"{row['class']} x{row['calls']}: {row['reason']}")
+    return found, report.timing
 
 
-def pattern_activity(step: Callable[[], Any], patches: Dict[str, types.ModuleType]) -> Dict[str, Dict[str, int]]:
-    """Per pattern, during one ``step()``: ``calls`` of its bodies (the functions its replacements close over),
-    ``fallbacks`` (calls that returned FALLBACK: diffusers' code ran instead) and ``frames`` (calls of any function
-    of the pattern's own file, should a replacement's shape change)."""
-    from torchpatches.patches._fused_common import FALLBACK
-
-    bodies = _bodies(patches)
-    files = {module.__file__: name for name, module in patches.items()}
-    counts = {name: {"calls": 0, "fallbacks": 0, "frames": 0} for name in patches}
-
-    def tracer(frame: types.FrameType, event: str, arg: Any) -> None:
-        if event == "call":
-            name = files.get(frame.f_code.co_filename)
-            if name is not None:
-                counts[name]["frames"] += 1
-            body = bodies.get(frame.f_code)
-            if body is not None:
-                counts[body]["calls"] += 1
-        elif event == "return" and arg is FALLBACK and frame.f_code in bodies:
-            counts[bodies[frame.f_code]]["fallbacks"] += 1
-
-    sys.setprofile(tracer)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return counts
-
-
-def runs(activity: Dict[str, int]) -> bool:
-    return activity["calls"] > activity["fallbacks"] or (activity["calls"] == 0 and activity["frames"] > 0)
+def runs(activity: Dict[str, Any]) -> bool:
+    return activity.get("fused", 0) > 0
 
 
 # ---- compiled variants -------------------------------------------------------------------------------
@@ -428,8 +368,7 @@ def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any]) -> N
 
     step = functools.partial(model, **feed)
     with _bench.state("all"), torch.inference_mode():
-        step()  # Triton JIT and lazy imports outside the trace
-        entry["patterns"] = pattern_activity(step, fused_patterns())
+        entry["patterns"], entry["coverage_timing"] = pattern_activity(model, feed)
     running = [p for p, a in entry["patterns"].items() if runs(a)]
     print(f"[{name}] fused patterns that run: {', '.join(running) or 'none'}", flush=True)
     with _bench.state("vanilla"), torch.inference_mode():
@@ -533,9 +472,12 @@ def print_model(name: str, entry: Dict[str, Any]) -> None:
               f"{_f(row.get('rel_err_vs_vanilla_compile'), '.2e', 9)}{_f(row.get('first_call_s'), '.1f', 8)}"
               f"{_f(clocks.get('sm_mhz'), '.0f', 7)}{_f(clocks.get('power_w'), '.0f', 5)}"
               f"{_f(clocks.get('capped_frac'), '.0%', 7)}{flag}")
-    runs_ = [f"{p} ({a['calls'] - a['fallbacks']}/{a['calls']} calls fused)" for p, a in entry["patterns"].items()
-             if runs(a)]
+    patterns = entry.get("patterns", {})
+    runs_ = [f"{p} ({a['fused']}/{a['fused'] + a['declined']} calls fused)" for p, a in patterns.items() if runs(a)]
     print(f"  fused patterns that run: {', '.join(runs_) or 'none'}")
+    for pattern, activity in patterns.items():
+        for reason in activity.get("reasons", []):
+            print(f"  {pattern}: diffusers' code ran for {reason}")
     b2b = [f"{key} {row['back_to_back_ms']:.2f} ms ({_f(row.get('back_to_back_vs_eager_vanilla'), '.3f', 0, 'x')} "
            f"eager, {_f(row.get('back_to_back_vs_vanilla_compile'), '.3f', 0, 'x')} compile)"
            for key, row in entry["rows"].items() if "back_to_back_ms" in row]
@@ -544,7 +486,7 @@ def print_model(name: str, entry: Dict[str, Any]) -> None:
 
 
 def print_summary(models: Dict[str, Dict[str, Any]]) -> None:
-    """One line per model: the issue-16/17 figures (eager + patches against eager and against the faster vanilla
+    """One line per model: the headline figures (eager + patches against eager and against the faster vanilla
     compile, compiled + patches against vanilla compile, "other" GPU ms and launches, host ms fresh / after)."""
     head = [("model", 10), ("layers", 7), ("eager ms", 9), ("all", 8), ("best compile", 16), ("all/comp", 9),
             ("graph/comp", 11), ("reg+tp", 8), ("full+tp", 8), ("other ms van/all/comp", 23),
@@ -585,20 +527,54 @@ def print_summary(models: Dict[str, Dict[str, Any]]) -> None:
         print("".join(cells))
 
 
-def summarize(paths: List[str]) -> None:
-    """The tables and the summary of JSON files written by earlier runs (one per model, say)."""
+def load_results(paths: List[str]) -> Dict[str, Any]:
+    """The runs in ``paths`` merged into one ``{"versions", "commands", "models"}``; a later file's model replaces an
+    earlier one's. A file is what ``--json`` wrote or a per-GPU results file (its ``dit`` section). Each model keeps
+    its own ``command`` and ``versions``; the top-level ``versions`` are those all models share (else "mixed")."""
     import json
 
     models: Dict[str, Dict[str, Any]] = {}
+    commands: List[str] = []
     for path in paths:
         with open(path) as handle:
             data = json.load(handle)
-        print(f"{path}: {' '.join(f'{k} {v}' for k, v in data.get('versions', {}).items())}")
-        models.update(data.get("models", {}))
-    for name, entry in models.items():
+        data = data.get("dit", data)
+        for name, entry in data.get("models", {}).items():
+            entry.setdefault("command", data.get("command"))
+            entry.setdefault("versions", data.get("versions", {}))
+            models[name] = entry
+        commands += data.get("commands") or ([data["command"]] if data.get("command") else [])
+    gpus = {entry["versions"].get("gpu", "cpu") for entry in models.values()}
+    if len(gpus) > 1:
+        raise SystemExit(f"--summary: the files were measured on different devices ({', '.join(sorted(gpus))})")
+    keys = dict.fromkeys(k for entry in models.values() for k in entry["versions"])
+    versions = {}
+    for key in keys:
+        values = {str(entry["versions"].get(key)) for entry in models.values()}
+        versions[key] = values.pop() if len(values) == 1 else "mixed"
+    return {"versions": versions, "commands": list(dict.fromkeys(commands)), "models": models}
+
+
+def summarize(paths: List[str], json_path: Optional[str], plot_dir: Optional[str], plot_name: Optional[str]) -> None:
+    """The tables and the summary of files written by earlier runs (one per model, say); merged into ``json_path``
+    and drawn into ``plot_dir`` where given."""
+    results = load_results(paths)
+    print(" ".join(f"{k} {v}" for k, v in results["versions"].items()))
+    for name, entry in results["models"].items():
         if entry.get("rows"):
             print_model(name, entry)
-    print_summary(models)
+    print_summary(results["models"])
+    _bench.save_json(json_path, results)
+    if plot_dir:
+        plot(results, plot_dir, plot_name)
+
+
+def plot(results: Dict[str, Any], out_dir: str, name: Optional[str]) -> None:
+    """The two charts of ``results`` into ``out_dir`` (matplotlib: needed here only)."""
+    from _dit_charts import draw
+
+    for path in draw(results, out_dir, name):
+        print(f"wrote {path}")
 
 
 # ---- command line ------------------------------------------------------------------------------------
@@ -636,8 +612,11 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
                         help="compile a 3-op function first: every eager row then runs after a torch.compile")
     parser.add_argument("--back-to-back", type=int, default=0, metavar="N",
                         help="also each row's ms per step over N steps enqueued without a sync (3 per round)")
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="write the results here (with --summary: the files merged)")
     parser.add_argument("--summary", nargs="+", metavar="JSON", help="print the tables of earlier runs and exit")
+    parser.add_argument("--plot", metavar="DIR", help="draw the step-time and GPU-time charts into DIR (matplotlib)")
+    parser.add_argument("--plot-name", metavar="PREFIX",
+                        help="the charts' file name prefix (default dit-<gpu>: dit-h200, dit-cpu)")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in SPECS]
@@ -657,8 +636,12 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
     if args.summary:
-        summarize(args.summary)
+        summarize(args.summary, args.json, args.plot, args.plot_name)
         return 0
+    if args.plot:
+        import _dit_charts
+
+        _dit_charts.require_matplotlib()  # before the run, not after it
     import torchpatches
 
     results: Dict[str, Any] = {"versions": _bench.versions(), "command": _bench.command_line(argv),
@@ -683,6 +666,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print_summary(results["models"])
     print("\n" + " ".join(f"{k} {v}" for k, v in results["versions"].items()))
     print(torchpatches.status())
+    if args.plot:
+        plot(load_results([args.json]) if args.json else results, args.plot, args.plot_name)
     return 0
 
 
