@@ -345,7 +345,8 @@ def versions() -> Dict[str, str]:
 
 
 def _git_commit() -> Optional[str]:
-    """The short commit of the checkout this file is in, ``+`` when it has changes; None outside a git checkout."""
+    """The short commit of the checkout this file is in, ``+`` when it has changes; outside a git checkout (a copy
+    of the tree sent to a GPU machine) the environment's ``BENCH_COMMIT``, else None."""
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
@@ -353,11 +354,11 @@ def _git_commit() -> Optional[str]:
         head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10)
         if head.returncode != 0:
-            return None
+            return os.environ.get("BENCH_COMMIT") or None
         dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("BENCH_COMMIT") or None
     return head.stdout.strip() + ("+" if dirty else "")
 
 
