@@ -378,3 +378,29 @@ def compile_once(device: torch.device) -> None:
 def command_line(argv: Optional[Iterable[str]] = None) -> str:
     args = list(sys.argv[1:] if argv is None else argv)
     return " ".join([os.path.basename(sys.argv[0])] + args)
+
+
+def collect(path: str, sections: Dict[str, str]) -> None:
+    """Put JSON files into the per-GPU results file ``path`` (``results/h200.json``), each under its section name
+    (the benchmark that wrote it: ``dit``, ``fused_ops``, ...), replacing that section; the other sections stay."""
+    results: Dict[str, Any] = {}
+    if os.path.exists(path):
+        with open(path) as handle:
+            results = json.load(handle)
+    for section, source in sections.items():
+        with open(source) as handle:
+            results[section] = json.load(handle)
+    gpus = {str((data.get("versions") or {}).get("gpu")) for data in results.values() if isinstance(data, dict)}
+    gpus.discard("None")
+    if len(gpus) > 1:
+        raise SystemExit(f"{path}: sections measured on different devices: {sorted(gpus)}")
+    with open(path, "w") as handle:
+        json.dump(dict(sorted(results.items())), handle, indent=1)
+        handle.write("\n")
+
+
+if __name__ == "__main__":
+    # python benchmarks/_bench.py collect results/h200.json dit=dit.json fused_ops=ops.json
+    if len(sys.argv) < 4 or sys.argv[1] != "collect" or not all("=" in a for a in sys.argv[3:]):
+        sys.exit("usage: python benchmarks/_bench.py collect RESULTS.json SECTION=FILE...")
+    collect(sys.argv[2], dict(a.split("=", 1) for a in sys.argv[3:]))

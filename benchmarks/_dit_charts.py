@@ -16,15 +16,15 @@ import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
 
-#: (row key, label) of the bars, in this order; rows not measured are left out.
+#: (row key, label) of the bars, top to bottom; rows not measured are left out.
 BARS: List[Tuple[str, str]] = [
     ("eager/vanilla", "eager"),
-    ("eager/all", "eager +\ntorchpatches"),
-    ("graph/all", "eager + tp,\nCUDA graph"),
-    ("regional/vanilla", "regional\ncompile"),
-    ("regional/all", "regional\ncompile + tp"),
-    ("full/vanilla", "full\ncompile"),
-    ("full/all", "full\ncompile + tp"),
+    ("eager/all", "eager + torchpatches"),
+    ("graph/all", "eager + tp, CUDA graph"),
+    ("regional/vanilla", "regional compile"),
+    ("regional/all", "regional compile + tp"),
+    ("full/vanilla", "full compile"),
+    ("full/all", "full compile + tp"),
 ]
 #: bar colour per row key: diffusers' own code grey, torchpatches blue, compiled green
 COLOURS = {"eager/vanilla": "#9e9e9e", "eager/all": "#1f77b4", "graph/all": "#6baed6",
@@ -90,46 +90,56 @@ def _subtitle(name: str, entry: Dict[str, Any]) -> str:
     return text
 
 
-def _grid(plt: Any, count: int, height: float) -> Tuple[Any, List[Any]]:
-    cols = min(count, 3)
-    rows = (count + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(5.6 * cols, height * rows), squeeze=False)
+def _grid(plt: Any, models: List[Tuple[str, Dict[str, Any]]]) -> Tuple[Any, List[Any]]:
+    """Two panels a row, each as tall as its bars need."""
+    cols = min(len(models), 2)
+    rows = (len(models) + cols - 1) // cols
+    most = max(len(_bars(entry)) for _, entry in models)
+    fig, axes = plt.subplots(rows, cols, figsize=(7.2 * cols, (0.34 * most + 1.3) * rows + 1.1), squeeze=False)
     flat = [ax for row in axes for ax in row]
-    for ax in flat[count:]:
+    for ax in flat[len(models):]:
         ax.axis("off")
-    return fig, flat[:count]
+    return fig, flat[:len(models)]
 
 
 def _models(results: Dict[str, Any]) -> List[Tuple[str, Dict[str, Any]]]:
     return [(name, entry) for name, entry in results.get("models", {}).items() if _bars(entry)]
 
 
+def _axes(ax: Any, bars: List[Tuple[str, str, Dict[str, Any]]], right: float, xlabel: str, name: str,
+          entry: Dict[str, Any]) -> None:
+    ax.set_yticks(range(len(bars)))
+    ax.set_yticklabels([label for _, label, _ in bars], fontsize=8.5)
+    ax.invert_yaxis()  # eager on top
+    ax.set_xlim(0, right)
+    ax.set_xlabel(xlabel, fontsize=8.5)
+    ax.set_title(_subtitle(name, entry), fontsize=9.5)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.tick_params(axis="x", labelsize=8)
+
+
 def step_chart(plt: Any, results: Dict[str, Any], path: str) -> None:
     models = _models(results)
-    fig, axes = _grid(plt, len(models), 4.6)
+    fig, axes = _grid(plt, models)
     for ax, (name, entry) in zip(axes, models):
         bars = _bars(entry)
         ms = [row["median_ms"] for _, _, row in bars]
-        ax.bar(range(len(bars)), ms, color=[COLOURS[key] for key, _, _ in bars], edgecolor="black", linewidth=0.4)
+        ax.barh(range(len(bars)), ms, color=[COLOURS[key] for key, _, _ in bars], edgecolor="black", linewidth=0.4,
+                height=0.7)
         compiled = [row["median_ms"] for key, _, row in bars if key in ("regional/vanilla", "full/vanilla")]
         for i, (key, _, row) in enumerate(bars):
             label = f"{row['median_ms']:.1f} ms"
-            if row.get("ratio_vs_eager_vanilla") is not None:
-                label += f"\n{row['ratio_vs_eager_vanilla']:.2f}x eager"
+            if row.get("ratio_vs_eager_vanilla") is not None and key != "eager/vanilla":
+                label += f"  {row['ratio_vs_eager_vanilla']:.3f}x eager"
             if key in ("eager/all", "graph/all") and compiled:
-                label += f"\n{row['median_ms'] / min(compiled):.2f}x compile"
-            ax.annotate(label, (i, row["median_ms"]), xytext=(0, 2), textcoords="offset points", ha="center",
-                        va="bottom", fontsize=7.5)
-        ax.set_xticks(range(len(bars)))
-        ax.set_xticklabels([label for _, label, _ in bars], fontsize=7.5)
-        ax.set_ylabel("ms per step (median)")
-        ax.set_ylim(0, max(ms) * 1.32)
-        ax.set_title(_subtitle(name, entry), fontsize=9.5)
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
+                label += f", {row['median_ms'] / min(compiled):.3f}x compile"
+            weight = "bold" if key == "eager/all" else "normal"
+            ax.annotate(label, (row["median_ms"], i), xytext=(3, 0), textcoords="offset points", ha="left",
+                        va="center", fontsize=8, fontweight=weight)
+        _axes(ax, bars, max(ms) * 1.75, "ms per step (median of the alternated rounds)", name, entry)
     fig.suptitle(f"Step time, batch 1: {title(results.get('versions', {}))}\n"
-                 "\"compile\" = the faster compile of stock diffusers shown; tp = torchpatches",
-                 fontsize=10.5)
+                 "compile = the faster compile of stock diffusers shown; tp = torchpatches", fontsize=10.5)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -147,49 +157,43 @@ def _segments(row: Dict[str, Any]) -> Optional[Dict[str, float]]:
 
 def gpu_time_chart(plt: Any, results: Dict[str, Any], path: str) -> None:
     models = _models(results)
-    fig, axes = _grid(plt, len(models), 4.6)
+    fig, axes = _grid(plt, models)
     drawn = set()
     for ax, (name, entry) in zip(axes, models):
         bars = _bars(entry)
-        tops = []
+        ends = []
         for i, (_, _, row) in enumerate(bars):
             parts = _segments(row)
             if parts is None:
-                ax.bar(i, row["median_ms"], color="white", edgecolor="grey", hatch="//", linewidth=0.6,
-                       label="not profiled (step)" if "none" not in drawn else None)
+                ax.barh(i, row["median_ms"], color="white", edgecolor="grey", hatch="//", linewidth=0.6, height=0.7,
+                        label="not profiled (the step)" if "none" not in drawn else None)
                 drawn.add("none")
-                tops.append(row["median_ms"])
+                ends.append(row["median_ms"])
                 continue
-            bottom = 0.0
+            left = 0.0
             for cls, label, colour in SEGMENTS:
-                ax.bar(i, parts[cls], bottom=bottom, color=colour, edgecolor="black", linewidth=0.3,
-                       label=label if cls not in drawn else None)
+                ax.barh(i, parts[cls], left=left, color=colour, edgecolor="black", linewidth=0.3, height=0.7,
+                        label=label if cls not in drawn else None)
                 drawn.add(cls)
-                bottom += parts[cls]
-            tops.append(bottom)
+                left += parts[cls]
+            ends.append(left)
             launches = row["profile"].get("launches_per_step")
-            text = f"other {parts['other']:.1f}\nidle {parts['idle']:.1f}"
+            text = f"other {parts['other']:.1f}, idle {parts['idle']:.1f} ms"
             if launches is not None:
-                text += f"\n{launches:.0f} launches"
-            ax.annotate(text, (i, bottom), xytext=(0, 2), textcoords="offset points", ha="center", va="bottom",
-                        fontsize=7)
-        ax.set_xticks(range(len(bars)))
-        ax.set_xticklabels([label for _, label, _ in bars], fontsize=7.5)
-        ax.set_ylabel("ms per step")
-        ax.set_ylim(0, max(tops) * 1.32)
-        ax.set_title(_subtitle(name, entry), fontsize=9.5)
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
+                text += f", {launches:.0f} launches"
+            ax.annotate(text, (left, i), xytext=(3, 0), textcoords="offset points", ha="left", va="center",
+                        fontsize=8)
+        _axes(ax, bars, max(ends) * 1.7, "ms per step", name, entry)
     handles, labels = [], []
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             if label not in labels:
                 handles.append(handle)
                 labels.append(label)
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8.5, frameon=False)
-    fig.suptitle(f"GPU time per step by kernel class (torch.profiler) and the rest of the step: "
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    fig.suptitle(f"GPU time per step by kernel class (torch.profiler) and the rest of the step (host / idle):\n"
                  f"{title(results.get('versions', {}))}", fontsize=10.5)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
