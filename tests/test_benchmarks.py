@@ -1,0 +1,142 @@
+"""The benchmarks' own checks that need no GPU: ``dit.py``'s charts are drawn from its results (a fixture of its JSON
+layout in-process, and a ``--tiny`` run through the command line), matplotlib's absence is a clear error, and the
+benchmarks import torchpatches' public names only.
+
+matplotlib is in the ``test`` extra, so the chart tests run wherever the extra is installed (every tests-<torch>
+nox session); under CI they fail rather than skip without it.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _matplotlib() -> None:
+    if os.environ.get("CI"):
+        import matplotlib  # noqa: F401  (CI installs the test extra: a skip there would hide the charts)
+    else:
+        pytest.importorskip("matplotlib")
+
+
+@pytest.fixture
+def charts(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _dit_charts
+
+    return _dit_charts
+
+
+def _row(ms: float, ratio: float, profile: bool) -> Dict[str, Any]:
+    row: Dict[str, Any] = {"median_ms": ms, "ratio_vs_eager_vanilla": ratio, "error": None}
+    if profile:
+        row["profile"] = {"gpu_kernel_ms": ms * 0.95, "launches_per_step": 300.0,
+                          "ms_by_class": {"gemm": ms * 0.5, "attention": ms * 0.3, "other": ms * 0.15}}
+    return row
+
+
+def _results(profile: bool = True) -> Dict[str, Any]:
+    """dit.py's JSON layout (--json / --summary --json), two models: one with full compile on a block subset (not
+    drawn), one with every variant."""
+    versions = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "diffusers": "0.42.1",
+                "torchpatches": "0.1.0", "commit": "abc1234"}
+    flux1 = {"class": "FluxTransformer2DModel", "layers": [19, 38], "model_layers": [19, 38],
+             "full_compile_layers": [2, 4], "dtype": "torch.bfloat16",
+             "rows": {"eager/vanilla": _row(177.0, 1.0, profile), "eager/all": _row(126.0, 0.71, profile),
+                      "regional/vanilla": _row(137.0, 0.77, profile), "regional/all": _row(134.0, 0.76, profile),
+                      "full/vanilla": _row(15.0, 0.74, profile), "eager/-adaln": _row(138.0, 0.78, profile)}}
+    sd3 = {"class": "SD3Transformer2DModel", "layers": [6], "model_layers": [38], "full_compile_layers": [6],
+           "dtype": "torch.bfloat16",
+           "rows": {key: _row(ms, ms / 16.0, profile) for key, ms in (
+               ("eager/vanilla", 16.0), ("eager/all", 10.9), ("graph/all", 10.5), ("regional/vanilla", 11.2),
+               ("regional/all", 11.3), ("full/vanilla", 11.1), ("full/all", 10.9))}}
+    sd3["rows"]["graph/vanilla"] = {"error": "first call: RuntimeError: capture failed"}
+    return {"versions": versions, "commands": ["dit.py ..."], "models": {"flux1": flux1, "sd3": sd3}}
+
+
+def test_the_charts_are_drawn_from_the_results(charts: Any, tmp_path: Path) -> None:
+    _matplotlib()
+    paths = charts.draw(_results(), str(tmp_path))
+    assert [Path(p).name for p in paths] == ["dit-h200-step.png", "dit-h200-gpu-time.png"]
+    for path in paths:
+        data = Path(path).read_bytes()
+        assert data.startswith(PNG) and len(data) > 20_000
+    # full compile on a block subset is not the model's step: left out; a failed row too
+    assert [key for key, _, _ in charts._bars(_results()["models"]["flux1"])] == [
+        "eager/vanilla", "eager/all", "regional/vanilla", "regional/all"]
+    assert "graph/vanilla" not in [key for key, _, _ in charts._bars(_results()["models"]["sd3"])]
+
+
+def test_rows_without_a_profile_are_drawn_too(charts: Any, tmp_path: Path) -> None:
+    _matplotlib()
+    results = _results(profile=False)
+    results["versions"] = {"torch": "2.13.0+cpu"}
+    paths = charts.draw(results, str(tmp_path), "dit-test")
+    assert [Path(p).name for p in paths] == ["dit-test-step.png", "dit-test-gpu-time.png"]
+    assert all(Path(p).read_bytes().startswith(PNG) for p in paths)
+
+
+def test_device_tag_and_title(charts: Any) -> None:
+    assert charts.device_tag({"gpu": "NVIDIA H200"}) == "h200"
+    assert charts.device_tag({"gpu": "NVIDIA H100 80GB HBM3"}) == "h100"
+    assert charts.device_tag({}) == "cpu"
+    assert charts.title(_results()["versions"]) == (
+        "NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, diffusers 0.42.1, torchpatches 0.1.0 (abc1234)")
+
+
+def test_without_matplotlib_the_plot_says_what_to_install(charts: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        charts.require_matplotlib()
+
+
+@pytest.mark.slow
+def test_a_tiny_run_is_merged_and_plotted_from_the_command_line(tmp_path: Path) -> None:
+    """dit.py --tiny (one model, eager rows, one round) writes its JSON and charts; --summary merges and redraws."""
+    _matplotlib()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    run = [sys.executable, str(BENCHMARKS / "dit.py")]
+    first = subprocess.run(run + ["--tiny", "--models", "sd3", "--variants", "eager", "--rounds", "1", "--steps", "1",
+                                  "--warmup", "0", "--json", str(tmp_path / "sd3.json"), "--plot", str(tmp_path / "a")],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["dit-cpu-gpu-time.png", "dit-cpu-step.png"]
+    merged = subprocess.run(run + ["--summary", str(tmp_path / "sd3.json"), "--json", str(tmp_path / "merged.json"),
+                                   "--plot", str(tmp_path / "b"), "--plot-name", "merged"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert merged.returncode == 0, merged.stdout[-2000:] + merged.stderr[-2000:]
+    data = json.loads((tmp_path / "merged.json").read_text())
+    assert set(data) == {"versions", "commands", "models"} and set(data["models"]) == {"sd3"}
+    assert {"eager/vanilla", "eager/all"} <= set(data["models"]["sd3"]["rows"])
+    assert data["models"]["sd3"]["patterns"]["sd3_qk_norm"]["fused"] > 0  # found by torchpatches.coverage
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["merged-gpu-time.png", "merged-step.png"]
+
+
+#: torchpatches' public modules: what a benchmark may import
+PUBLIC = {"torchpatches", "torchpatches.ops", "torchpatches.testing", "torchpatches.cuda_graphs",
+          "torchpatches.compile"}
+
+
+def test_benchmarks_import_public_names_only() -> None:
+    found = []
+    for path in sorted(BENCHMARKS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [f"{path.name}: {name}" for name in names
+                      if name.split(".")[0] == "torchpatches" and name not in PUBLIC]
+    assert found == []
