@@ -136,9 +136,9 @@ def test_outputs_are_fully_written() -> None:
 @needs_triton
 def test_launch_constants_cached_per_form_and_a_bound_heuristic_applies_after_cache_clear(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton tier builds a form's constexprs once (``pick_config`` is not called again); a benchmark's own
-    ``pick_config`` applies after ``_launch_constants.cache_clear()`` (``benchmarks/_bench.launch_config``), and two
-    rows per program give the same output."""
+    """The Triton tier builds a form's constexprs once (``pick_config`` is not called again); a caller's own
+    ``pick_config`` (a launch-configuration sweep) applies after ``_launch_constants.cache_clear()``, and two rows
+    per program give the same output."""
     from torchpatches.ops import _modulate_triton
 
     x, scale, shift = torch.randn(2, 5, 16), torch.randn(2, 16), torch.randn(2, 16)

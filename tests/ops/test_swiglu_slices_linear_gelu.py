@@ -4,7 +4,7 @@ SwiGLU and GELU round where diffusers rounds, so the Triton tier (interpreter on
 matches diffusers' modules to one ulp (Triton's exp/tanh against torch's); writes into slices leave
 the rest of the buffer untouched. ``linear_gelu_tanh`` must never use ``torch._addmm_activation`` on the
 CPU, where it computes the erf GELU: on CPU tensors it is diffusers' two ops, bit for bit. Its cuBLASLt
-tier (one rounding instead of two) is checked on the GPU by ``benchmarks/fused.py``.
+tier (one rounding instead of two) is checked on the GPU by ``benchmarks/fused_ops.py``.
 """
 from __future__ import annotations
 

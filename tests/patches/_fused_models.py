@@ -98,7 +98,7 @@ def same(out: torch.Tensor, ref: torch.Tensor, which: str = "") -> bool:
 
     diffusers' QwenImage RoPE is a complex64 multiply; CUDA evaluates it with fused multiply-adds, 1 ulp off the
     real-form rotation (``x * cos + rotate(x) * sin``, each product rounded, as the CPU computes both) in 9%
-    (tiny) to 17% (production) of the rotated elements (H100, ``benchmarks/dit_ops.py --qwen-sdpa-probe``).
+    (tiny) to 17% (production) of the rotated elements (measured on an H100).
     Attention and the GEMMs after it carry those ulps to the output: there ``rtol=1e-5, atol=1e-6``, far below
     what a wrong mask, table or order gives (differences of order 1e-1)."""
     if which == "qwenimage" and out.device.type == "cuda" and out.dtype == torch.float32:
