@@ -141,7 +141,7 @@ def step_chart(plt: Any, results: Dict[str, Any], path: str) -> None:
     fig.suptitle(f"Step time, batch 1: {title(results.get('versions', {}))}\n"
                  "compile = the faster compile of stock diffusers shown; tp = torchpatches", fontsize=10.5)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120, pil_kwargs={"optimize": True})
     plt.close(fig)
 
 
@@ -194,7 +194,7 @@ def gpu_time_chart(plt: Any, results: Dict[str, Any], path: str) -> None:
     fig.suptitle(f"GPU time per step by kernel class (torch.profiler) and the rest of the step (host / idle):\n"
                  f"{title(results.get('versions', {}))}", fontsize=10.5)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=120, pil_kwargs={"optimize": True})
     plt.close(fig)
 
 
