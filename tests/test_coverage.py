@@ -22,7 +22,7 @@ from torchpatches.ops import force_tier  # noqa: E402
 from torchpatches.patches import _fused_common  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "patches"))
-from _fused_models import MODELS, tiny  # noqa: E402
+from _fused_models import DEVICE, MODELS, tiny  # noqa: E402
 
 #: What a CPU run cannot fuse whatever the model: the GELU epilogue is cuBLASLt's (CUDA only).
 CPU_ONLY_DECLINES = {"gelu_gemm"}
@@ -51,7 +51,10 @@ def test_every_family_fuses_and_names_its_modules(family: str) -> None:
     patterns = {row["pattern"] for row in report.rows}
     assert {row["class"] for row in report.rows}.isdisjoint(row["class"] for row in report.untargeted)
     assert not report.not_applied and patterns
-    assert report.timing == {"skipped": "not timed: on cpu (timing needs CUDA)"}
+    if DEVICE.type == "cpu":
+        assert report.timing == {"skipped": "not timed: on cpu (timing needs CUDA)"}
+    else:
+        assert report.timing["rounds"] == 7 and report.timing["ratio"] > 0
     assert json.loads(json.dumps(report.to_json()))["schema"] == "torchpatches.coverage/1"
     assert str(report).startswith(f"torchpatches coverage: {type(model).__name__}")
 
@@ -78,7 +81,7 @@ def _grad(model: torch.nn.Module) -> Iterator[None]:
 
 #: (situation, its context around the call given the model, the reason's words, its tier, patterns that still fuse)
 SITUATIONS = [
-    ("autocast", lambda model: torch.autocast("cpu", dtype=torch.bfloat16), "autocast is on", "torch", ()),
+    ("autocast", lambda model: torch.autocast(DEVICE.type, dtype=torch.bfloat16), "autocast is on", "torch", ()),
     ("not CUDA", lambda model: contextlib.nullcontext(), "device cpu", None, ()),
     # the position embedder has no parameters and integer ids: its tables need no gradient
     ("grad", _grad, "a gradient is wanted", "torch", ("rope_tables",)),
@@ -89,6 +92,8 @@ SITUATIONS = [
 @pytest.mark.parametrize("situation, context, words, tier, still", SITUATIONS, ids=[s[0] for s in SITUATIONS])
 def test_every_call_handed_back_says_why(situation: str, context: Callable[[torch.nn.Module], ContextManager],
                                          words: str, tier: Any, still: tuple) -> None:
+    if situation == "not CUDA" and DEVICE.type != "cpu":
+        pytest.skip("the models run on CUDA here")
     model, inputs = tiny("flux1")
     with force_tier(tier), context(model):
         report = torchpatches.coverage(model, **inputs)
@@ -203,8 +208,10 @@ def test_cli_runs_the_script_here_and_reports_its_models(tmp_path: Path, capsys:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times with CUDA events")
 def test_timing_on_cuda() -> None:
-    model, inputs = tiny("flux1")
+    """The Triton tier on the GPU (no tier forced): fused, and timed with and without torchpatches."""
+    model, inputs = tiny("flux1", dtype=torch.bfloat16)
     model, inputs = model.cuda(), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     with torch.no_grad():
         report = torchpatches.coverage(model, **inputs)
+    assert report.fused_calls("adaln") and report.fused_calls("qk_norm_rope") and report.fused_calls("gelu_gemm")
     assert report.timing["rounds"] == 7 and report.timing["ratio"] > 0
