@@ -3,7 +3,7 @@ a fusion pattern targets (applied or not) and which none does."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 
@@ -14,25 +14,28 @@ from ..patches import PATCH_MODULES
 LISTED_LIBRARIES = ("diffusers.", "peft.", "transformers.")
 
 
-def named_objects(model: torch.nn.Module) -> Dict[int, str]:
-    """id -> name for every submodule of ``model`` and every attention processor it holds (``<module>.processor``)."""
-    names: Dict[int, str] = {}
+def _objects(model: torch.nn.Module) -> Iterator[Tuple[str, Any]]:
+    """(name, object) for every submodule of ``model`` and every attention processor it holds (``<module>.processor``)."""
     for name, module in model.named_modules():
-        names.setdefault(id(module), name or type(model).__name__)
+        yield name or type(model).__name__, module
         processor = module.__dict__.get("processor")
         if processor is not None and not isinstance(processor, torch.nn.Module):
-            names.setdefault(id(processor), f"{name}.processor" if name else "processor")
+            yield f"{name}.processor" if name else "processor", processor
+
+
+def named_objects(model: torch.nn.Module) -> Dict[int, str]:
+    """id -> name for every submodule and attention processor of ``model``."""
+    names: Dict[int, str] = {}
+    for name, obj in _objects(model):
+        names.setdefault(id(obj), name)
     return names
 
 
 def objects_by_class(model: torch.nn.Module) -> Dict[type, int]:
     """Each class of the model's submodules and attention processors, and how many instances it has."""
     counts: Dict[type, int] = {}
-    for module in model.modules():
-        counts[type(module)] = counts.get(type(module), 0) + 1
-        processor = module.__dict__.get("processor")
-        if processor is not None and not isinstance(processor, torch.nn.Module):
-            counts[type(processor)] = counts.get(type(processor), 0) + 1
+    for _, obj in _objects(model):
+        counts[type(obj)] = counts.get(type(obj), 0) + 1
     return counts
 
 

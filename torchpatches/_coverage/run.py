@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
+from .._doctor.diagnose import versions
 from . import modules as _modules
 from .observe import Recorder, recording
 from .report import EXAMPLES, CoverageReport
@@ -70,7 +71,7 @@ def build_report(api: Any, target: str, recorder: Recorder, models: List[torch.n
                 not_applied.append({"class": cls.__qualname__, "instances": count, "pattern": pattern,
                                     "state": entry.state.value, "reason": entry.reason})
     untargeted = [{"class": name, "instances": count} for name, count in _modules.untargeted(classes, targets)]
-    return CoverageReport(target=target, versions=_versions(api), rows=rows, not_applied=not_applied,
+    return CoverageReport(target=target, versions=versions(api), rows=rows, not_applied=not_applied,
                           untargeted=untargeted)
 
 
@@ -90,12 +91,3 @@ def _device(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[torch.dev
         if isinstance(value, torch.Tensor):
             return value.device
     return None
-
-
-def _versions(api: Any) -> Dict[str, str]:
-    versions = {"torch": torch.__version__, "torchpatches": api.__version__}
-    diffusers = sys.modules.get("diffusers")
-    if diffusers is not None:
-        versions["diffusers"] = getattr(diffusers, "__version__", "?")
-    return versions
-

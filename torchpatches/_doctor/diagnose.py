@@ -42,7 +42,8 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
 
 
-def _versions(api: Any) -> Dict[str, str]:
+def versions(api: Any) -> Dict[str, str]:
+    """The versions a report names: torch, torchpatches, Python, and diffusers where it is imported."""
     import torch
 
     versions = {"torch": torch.__version__, "torchpatches": api.__version__, "python": sys.version.split()[0]}
@@ -132,7 +133,7 @@ def build_report(api: Any, target: str, before: Optional[Capture], after: Captur
         patches=status,
         notes=notes,
         errors=errors,
-        versions=_versions(api),
+        versions=versions(api),
         applied_by_workload=applied,
     )
     if after.graphs == 0 and not after.breaks and "with_patches" not in errors:
