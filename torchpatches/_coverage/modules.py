@@ -15,7 +15,8 @@ LISTED_LIBRARIES = ("diffusers.", "peft.", "transformers.")
 
 
 def _objects(model: torch.nn.Module) -> Iterator[Tuple[str, Any]]:
-    """(name, object) for every submodule of ``model`` and every attention processor it holds (``<module>.processor``)."""
+    """(name, object) for every submodule of ``model`` and every attention processor it holds
+    (``<module>.processor``)."""
     for name, module in model.named_modules():
         yield name or type(model).__name__, module
         processor = module.__dict__.get("processor")

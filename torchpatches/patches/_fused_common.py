@@ -47,9 +47,9 @@ from .._core.declare import Target
 from .._core.slot import MARK_ORIGINAL, MARK_PATCH
 from ..ops._runtime.tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
-__all__ = ["FALLBACK", "declined", "why_not_fusable", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT", "LINEAR", "DROPOUT", "fused",
-           "steps_aside", "fusable", "stock", "linear", "dropout", "plain_layer_norm", "plain_rms_norm", "tensors_fit",
-           "pattern_on", "Assumptions", "remembered"]
+__all__ = ["FALLBACK", "declined", "why_not_fusable", "FLOAT_DTYPES", "LAYER_NORM", "RMS_NORM", "GELU", "SILU", "CAT",
+           "LINEAR", "DROPOUT", "fused", "steps_aside", "fusable", "stock", "linear", "dropout", "plain_layer_norm",
+           "plain_rms_norm", "tensors_fit", "pattern_on", "Assumptions", "remembered"]
 
 
 #: A body's answer for a call it does not cover (given before it does anything): the original runs.
@@ -62,15 +62,16 @@ observer: Optional[Any] = None
 
 
 def _note(text: str) -> None:
-    """Why a predicate said no, for the observer (only called on a predicate's declining path)."""
-    if observer is not None:
-        observer.note(text)
+    """Why a predicate said no, for the observer (only called on a predicate's declining path). The global is read
+    once: another thread's ``coverage`` may remove the recorder between two reads."""
+    seen = observer
+    if seen is not None:
+        seen.note(text)
 
 
 def declined(reason: str) -> object:
     """:data:`FALLBACK`, with ``reason`` told to the observer: ``return declined("...")`` in a body."""
-    if observer is not None:
-        observer.note(reason)
+    _note(reason)
     return FALLBACK
 
 #: Functions reached through modules by the code a fused path skips ("module:qualname").
@@ -125,8 +126,12 @@ class Assumptions:
 
     def replaced(self) -> Tuple[str, ...]:
         """The names whose object is no longer the one captured (what made :meth:`intact` false)."""
-        return tuple(name for name, (read, want) in zip(self._names, self._checks)
-                     if read() is not want and getattr(read(), MARK_ORIGINAL, None) is not want)
+        names = []
+        for name, (read, want) in zip(self._names, self._checks):
+            now = read()
+            if now is not want and getattr(now, MARK_ORIGINAL, None) is not want:
+                names.append(name)
+        return tuple(names)
 
 
 # ---- the replacement ---------------------------------------------------------------------------------
@@ -168,14 +173,15 @@ def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -
         assumptions = Assumptions(original, declared)
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            seen = observer  # read once: another thread's coverage may remove it meanwhile
             if not steps_aside() and assumptions.intact():
                 out = body(self, *args, **kwargs)
                 if out is not FALLBACK:
-                    if observer is not None:
-                        observer.record(pattern, self, None)
+                    if seen is not None:
+                        seen.record(pattern, self, None)
                     return out
-            if observer is not None:
-                observer.record(pattern, self, _why_declined(assumptions, body))
+            if seen is not None:
+                seen.record(pattern, self, _why_declined(seen, assumptions, body))
             return original(self, *args, **kwargs)
 
         # The original's name and docstring; no __wrapped__ (inspect.unwrap / fingerprint see this function).
@@ -193,7 +199,7 @@ def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -
     return make
 
 
-def _why_declined(assumptions: Assumptions, body: Callable[..., Any]) -> str:
+def _why_declined(seen: Any, assumptions: Assumptions, body: Callable[..., Any]) -> str:
     """Why a call ran diffusers' code (for the observer): the replacement's own checks first, then the last
     predicate the body asked that said no, else the body's own shape and configuration checks."""
     if steps_aside():
@@ -201,8 +207,8 @@ def _why_declined(assumptions: Assumptions, body: Callable[..., Any]) -> str:
     replaced = assumptions.replaced()
     if replaced:
         return f"a global the original reads was replaced: {', '.join(replaced)}"
-    said_no = observer.last_note() if observer is not None else None
-    return said_no or f"a shape or configuration the fused path does not serve ({getattr(body, '__name__', 'body')})"
+    body_name = getattr(body, "__name__", "body")
+    return seen.last_note() or f"a shape or configuration the fused path does not serve ({body_name})"
 
 
 # ---- per-call predicates -----------------------------------------------------------------------------
@@ -218,7 +224,7 @@ def fusable(x: Any, modules: Iterable[torch.nn.Module], *tensors: Optional[torch
         and not torch.is_autocast_enabled(x.device.type)
         and _grad_free(modules, x, *tensors)
     )
-    if not ok and observer is not None:
+    if not ok and observer is not None:  # the words only while watched
         _note(why_not_fusable(x))
     return ok
 
@@ -300,7 +306,7 @@ def stock(module: Any, cls: type) -> bool:
         and "forward" not in module.__dict__  # accelerate and diffusers hooks replace the bound forward
         and module.__dict__.get("_compiled_call_impl") is None  # nn.Module.compile(): calls go to compiled code
     )
-    if not ok and observer is not None:
+    if not ok and observer is not None:  # the words only while watched
         _note(_why_not_stock(module, cls))
     return ok
 
@@ -370,7 +376,7 @@ def plain_layer_norm(norm: Any, width: int, cls: type = torch.nn.LayerNorm) -> b
         return False
     params = norm._parameters  # exactly cls: weight and bias live there (one read instead of two __getattr__)
     ok = params.get("weight") is None and params.get("bias") is None and tuple(norm.normalized_shape) == (width,)
-    if not ok and observer is not None:
+    if not ok and observer is not None:  # the words only while watched
         _note(f"a {cls.__name__} with affine parameters or of another width than {width}")
     return ok
 
@@ -388,7 +394,7 @@ def plain_rms_norm(norm: Any, x: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and weight.device == x.device
     )
-    if not ok and observer is not None:
+    if not ok and observer is not None:  # the words only while watched
         _note("an RMSNorm without eps, without a weight, or whose weight's width, dtype or device is not the input's")
     return ok
 
@@ -399,7 +405,7 @@ def tensors_fit(*tensors: Optional[torch.Tensor], dtype: torch.dtype, device: to
         if t is None:
             continue
         if type(t) is not torch.Tensor or t.dtype != dtype or t.device != device:
-            if observer is not None:
+            if observer is not None:  # the words only while watched
                 _note(f"a {type(t).__name__} of {t.dtype} on {t.device} where the fused path needs {dtype} on {device}")
             return False
     return True
