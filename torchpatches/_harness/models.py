@@ -18,6 +18,12 @@ Device = Union[str, torch.device]
 
 
 #: Shared by a tiny config and its variants below (each variant: the base with what differs).
+_FLUX1 = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+              num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False,
+              axes_dims_rope=(4, 4, 8))
+_FLUX2 = dict(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+              num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=32,
+              axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
 _SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=2,
             joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32, out_channels=4,
             pos_embed_max_size=8)
@@ -31,35 +37,23 @@ _WAN_FUSED = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_di
 CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     # 1 double + 1 single block. Pinned on it: compile_warnings' graph breaks, inductor_realize's
     # flux_tiny counts (18 kernels, 84 nests, 45 buffers, 619,316 bytes on torch 2.11).
-    "flux1": ("FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False,
-        axes_dims_rope=(4, 4, 8),
-    )),
+    # 1 double + 1 single block. Pinned on it: compile_warnings' graph breaks, inductor_realize's
+    # flux_tiny counts (18 kernels, 84 nests, 45 buffers, 619,316 bytes on torch 2.11).
+    "flux1": ("FluxTransformer2DModel", _FLUX1),
     # FLUX.1-dev: 19 double + 38 single blocks, 24 heads x 128 (11.9 B parameters; benchmarks/flux.py).
     "flux1-dev": ("FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56),
-    )),
-    "flux2": ("Flux2Transformer2DModel", dict(
-        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
-    )),
+        _FLUX1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
+        joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56))),
+    "flux2": ("Flux2Transformer2DModel", _FLUX2),
     # 1 double + 2 single blocks, so a single block also gets its inputs as two slices of one tensor
     # (the eager fusion patches' zero-copy concat). Pinned on them: the fused-op call counts and the
     # tiny compile kernel counts of tests/patches/test_fused_patches.py.
-    "flux1-fused": ("FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
-    )),
-    "flux2-fused": ("Flux2Transformer2DModel", dict(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=16, mlp_ratio=3.0,
-        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
-    )),
+    "flux1-fused": ("FluxTransformer2DModel", dict(_FLUX1, in_channels=16, num_single_layers=2,
+                                                   pooled_projection_dim=16, guidance_embeds=True,
+                                                   axes_dims_rope=(4, 6, 6))),
+    "flux2-fused": ("Flux2Transformer2DModel", dict(_FLUX2, in_channels=16, num_single_layers=2,
+                                                    timestep_guidance_channels=16, mlp_ratio=3.0,
+                                                    guidance_embeds=True)),
     "sd3": ("SD3Transformer2DModel", _SD3),
     # SD3.5-style (qk_norm="rms_norm"): 2 blocks, the last context_pre_only (AdaLayerNormContinuous, no
     # to_add_out). Pinned on it: the sd3 fused patterns' call counts (tests/patches/test_fused_sd3.py).
