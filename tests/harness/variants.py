@@ -37,7 +37,7 @@ def replacing(patch: Patch, make_replacement: Callable[[Any], Any]) -> Iterator[
 def rope_op_under_compile(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The alternative the ``rope`` patch decided against: FLUX-form calls go through the RoPE op under
     ``torch.compile`` too, where the op is a call Inductor cannot fuse (docs/rope.md)."""
-    from torchpatches.patches import rope as rope_patch
+    from torchpatches.patches._bodies import rope as rope_patch
 
     def apply_rotary_emb(
         x: torch.Tensor, freqs_cis: Any, use_real: bool = True, use_real_unbind_dim: int = -1, sequence_dim: int = 2

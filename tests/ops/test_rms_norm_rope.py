@@ -82,7 +82,7 @@ def test_triton_tier_matches_torch_tier_and_float64(case: Dict[str, Any]) -> Non
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_tier_equals_wans_processor_stretch(dtype: torch.dtype) -> None:
     """RMSNorm modules over the full width + WanAttnProcessor's nested apply_rotary_emb, bit for bit."""
-    from torchpatches.patches.wan_qk_norm_rope import _apply_rotary_emb  # a copy of diffusers' nested function
+    from torchpatches.patches._bodies.wan_qk_norm_rope import _apply_rotary_emb  # a copy of diffusers' nested function
 
     g = torch.Generator().manual_seed(3)
     q, k = ((torch.randn(1, 5, 3 * 8, generator=g) * 2).to(dtype) for _ in range(2))
@@ -108,7 +108,7 @@ def test_nested_rope_copy_is_diffusers_code() -> None:
     import textwrap
 
     from diffusers.models.transformers import transformer_wan
-    from torchpatches.patches import wan_qk_norm_rope
+    from torchpatches.patches._bodies import wan_qk_norm_rope
 
     call = transformer_wan.WanAttnProcessor.__call__
     original = inspect.getsource(getattr(call, "__torchpatches_original__", call))  # the patch may be applied

@@ -161,7 +161,7 @@ def _count_size_gathers(counts: Dict[str, Any]) -> None:
     uneven ring of ``cp_ring_attention``, one per attention call)."""
     from diffusers.models import attention_dispatch
 
-    from torchpatches.patches import cp_ring_attention, cp_ulysses_anything
+    from torchpatches.patches._bodies import cp_ring_attention, cp_ulysses_anything
 
     for owner, name in ((attention_dispatch, "gather_size_by_comm"), (cp_ulysses_anything, "ints_of_every_rank"),
                         (cp_ring_attention, "ints_of_every_rank")):

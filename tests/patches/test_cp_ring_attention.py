@@ -37,7 +37,7 @@ import torchpatches  # noqa: E402
 
 from _collectives import PassThrough, Sub, counted_calls  # noqa: E402
 from torchpatches._core.slot import MARK_ORIGINAL  # noqa: E402
-from torchpatches.patches import cp_ring_attention  # noqa: E402
+from torchpatches.patches._bodies import cp_ring_attention  # noqa: E402
 
 
 @pytest.fixture

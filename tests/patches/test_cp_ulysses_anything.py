@@ -30,7 +30,8 @@ import torchpatches  # noqa: E402
 
 from _collectives import Sub  # noqa: E402
 from torchpatches._core.slot import MARK_ORIGINAL  # noqa: E402
-from torchpatches.patches import _direct_collectives, cp_ulysses_anything  # noqa: E402
+from torchpatches.patches import _direct_collectives  # noqa: E402
+from torchpatches.patches._bodies import cp_ulysses_anything  # noqa: E402
 
 
 class Group:

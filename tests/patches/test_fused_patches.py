@@ -28,7 +28,7 @@ from diffusers.models import activations, normalization  # noqa: E402,F401  (the
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches._core import gates as _gates  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
-from torchpatches.patches import gate_residual  # noqa: E402
+from torchpatches.patches._bodies import gate_residual  # noqa: E402
 from harness import count_kernels  # noqa: E402
 
 VERIFIED = "0.42.1"
@@ -132,6 +132,9 @@ def test_patch_modules_import_nothing_heavy() -> None:
             "torchpatches.ops", "torchpatches.ops._runtime", "torchpatches.ops._runtime.tiers")]
         assert not ops, ops
         assert not hasattr(torch.ops.torchpatches, "modulate")
+        # replacement code loads with its target (patches/_bodies): none of it is compiled by the import
+        bodies = [m for m in sys.modules if m.startswith("torchpatches.patches._bodies.")]
+        assert not bodies, bodies
         """
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))

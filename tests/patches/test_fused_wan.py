@@ -21,7 +21,6 @@ from _fused_models import DEVICE, FUSED, exact_run, reverted, run, run_hooked  #
 from diffusers.models import activations  # noqa: E402
 from diffusers.models.transformers import transformer_wan  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
-from torchpatches.patches import wan_qk_norm_rope  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 

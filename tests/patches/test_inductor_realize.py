@@ -30,14 +30,9 @@ import harness
 from torchpatches._core.gates import fingerprint, release_version
 from torchpatches._core.slot import MARK_PATCH
 from torchpatches._core.cache_key import cache_token
-from torchpatches.patches import inductor_realize
-from torchpatches.patches.inductor_realize import (
-    FINGERPRINT_TORCH_2_11_0,
-    FINGERPRINT_TORCH_2_13_0,
-    ORIGINALS,
-    PATCH,
-    materialize_is_cheaper,
-)
+from torchpatches.patches._bodies import inductor_realize as realize_body
+from torchpatches.patches._bodies.inductor_realize import materialize_is_cheaper
+from torchpatches.patches.inductor_realize import FINGERPRINT_TORCH_2_11_0, FINGERPRINT_TORCH_2_13_0, ORIGINALS, PATCH
 
 # The fast sessions of torch releases where the patch applies (2.12) select these by this marker.
 pytestmark = pytest.mark.inductor_realize
@@ -90,7 +85,7 @@ def original_and_patched() -> Tuple[Callable[..., bool], Callable[..., bool]]:
     with torchpatches.disabled(NAME):
         original = ir.StorageBox.should_realize_on_reuse
     assert ir.StorageBox.should_realize_on_reuse is not original
-    return original, inductor_realize.make_replacement(original)
+    return original, realize_body.make_replacement(original)
 
 
 # ---- declaration, import cost, registry state -----------------------------------------------
@@ -127,7 +122,7 @@ def test_state_follows_the_fingerprint() -> None:
         # A replacement carries its target's __module__/__qualname__ (so pickle finds it by name): its
         # mark and its code say whose it is.
         assert getattr(bound, MARK_PATCH) == NAME
-        assert bound.__code__.co_filename == inductor_realize.__file__
+        assert bound.__code__.co_filename == realize_body.__file__
         return
     assert status.state.value == "skipped"
     assert f"fingerprint {ORIGINAL_FINGERPRINT}" in status.reason and FINGERPRINT_TORCH_2_11_0 in status.reason

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchpatches.patches import lora_scale
-from torchpatches.patches.lora_scale import tuner_layers
+from torchpatches.patches._bodies import lora_scale
+from torchpatches.patches._bodies.lora_scale import tuner_layers
 
 
 class Layer(torch.nn.Module):

@@ -21,7 +21,7 @@ pytest.importorskip("diffusers")
 import torchpatches  # noqa: E402
 from harness import build_model, tiny_inputs  # noqa: E402
 from torchpatches._core.slot import MARK_ORIGINAL  # noqa: E402
-from torchpatches.patches import qwenimage_text_seq_len  # noqa: E402
+from torchpatches.patches._bodies import qwenimage_text_seq_len  # noqa: E402
 
 CUDA = os.environ.get("TORCHPATCHES_TEST_DEVICE") == "cuda"
 DEVICE = torch.device("cuda" if CUDA else "cpu")

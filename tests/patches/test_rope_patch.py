@@ -23,6 +23,7 @@ import torchpatches  # noqa: E402
 from torchpatches._core import gates as _gates  # noqa: E402
 import harness as testing  # noqa: E402
 from torchpatches.patches import rope as rope_patch  # noqa: E402
+from torchpatches.patches._bodies import rope as rope_body  # noqa: E402
 
 from diffusers.models import embeddings  # noqa: E402
 
@@ -58,13 +59,13 @@ def patched() -> Iterator[Callable[..., torch.Tensor]]:
 def op_calls(monkeypatch: pytest.MonkeyPatch) -> List[Tuple[int, ...]]:
     """Records the shape of every call that reached the op."""
     calls: List[Tuple[int, ...]] = []
-    real = rope_patch._rotate
+    real = rope_body._rotate
 
     def counting(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
         calls.append(tuple(x.shape))
         return real(x, cos, sin, sequence_dim)
 
-    monkeypatch.setattr(rope_patch, "_rotate", counting)
+    monkeypatch.setattr(rope_body, "_rotate", counting)
     return calls
 
 
@@ -201,7 +202,7 @@ def test_a_call_the_op_refuses_goes_to_the_original(
     def refuse(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
         raise ValueError("refused")
 
-    monkeypatch.setattr(rope_patch, "_rotate", refuse)
+    monkeypatch.setattr(rope_body, "_rotate", refuse)
     x = torch.randn(1, 7, 2, 16, dtype=torch.bfloat16)
     freqs = flux_freqs(7, 16, (4, 6, 6))
     assert torch.equal(patched(x, freqs, sequence_dim=1), original_function()(x, freqs, sequence_dim=1))

@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, FrozenSet, Mapping, Optional, Tuple, Union
 
+from .lazy import body
+
 __all__ = ["Patch", "Target", "Site", "LazyTargets"]
 
 
@@ -57,7 +59,9 @@ class Target(_Frozen):
     ``path`` is ``"module:qualname"``; the qualname may walk into a class
     (``"torch._inductor.ir:StorageBox.should_realize_on_reuse"``).
     ``make_replacement(original)`` builds the replacement; it runs only when the target is
-    about to be patched, so replacement code can import heavy modules lazily.
+    about to be patched, so replacement code can import heavy modules lazily. Given as
+    ``"module:attribute"``, it is imported then too (:func:`torchpatches._core.lazy.body`): patch files
+    declare their targets so, and ``import torchpatches`` compiles none of their replacement code.
     ``fingerprints`` are :func:`torchpatches._core.gates.fingerprint` values of the originals this
     patch was verified against (comment each with the version it came from); any other
     original is skipped. ``aliases`` are other ``"module:attr"`` sites that bound the
@@ -71,13 +75,15 @@ class Target(_Frozen):
     def __init__(
         self,
         path: str,
-        make_replacement: Callable[[Any], Any],
+        make_replacement: Union[str, Callable[[Any], Any]],
         fingerprints: FrozenSet[str],
         aliases: Tuple[str, ...] = (),
         sites: Tuple[Site, ...] = (),
     ) -> None:
         if not isinstance(path, str) or ":" not in path:
             raise ValueError(f"target path {path!r} must be a str 'module:qualname'")
+        if isinstance(make_replacement, str):  # "module:attribute": imported when the target is patched
+            make_replacement = body(make_replacement)
         if not callable(make_replacement):
             raise ValueError(f"make_replacement of {path!r} must be callable, got {type(make_replacement).__name__}")
         # A bare str would silently become a set of characters / a tuple of letters.

@@ -38,12 +38,13 @@ import operator
 import sys
 import types
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple, Union
 
 import torch
 
 from .._core.compat import is_compiling
 from .._core.declare import Target
+from .._core.lazy import BODY_REFERENCE, resolve
 from .._core.slot import MARK_ORIGINAL, MARK_PATCH
 from ..ops._runtime.tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
@@ -51,6 +52,9 @@ __all__ = ["FALLBACK", "declined", "why_not_fusable", "FLOAT_DTYPES", "LAYER_NOR
            "LINEAR", "DROPOUT", "fused", "steps_aside", "fusable", "stock", "linear", "dropout", "plain_layer_norm",
            "plain_rms_norm", "tensors_fit", "pattern_on", "Assumptions", "remembered"]
 
+
+#: A fused body: the function, or ``"module:attribute"`` naming it (imported when its target is patched).
+Body = Union[str, Callable[..., Any]]
 
 #: A body's answer for a call it does not cover (given before it does anything): the original runs.
 FALLBACK = object()
@@ -159,29 +163,34 @@ def _why_aside() -> str:
 FUSED_REQUIRES = {"diffusers": ">=0.42,<0.43", "torch": ">=2.4"}
 
 
-def fused_target(pattern: str, path: str, body: Callable[..., Any], fingerprint: str,
-                 assumes: Iterable[str] = ()) -> Target:
+def fused_target(pattern: str, path: str, body: Body, fingerprint: str, assumes: Iterable[str] = ()) -> Target:
     """The target ``path`` replaced by ``fused(pattern, body, assumes)``, verified by one fingerprint."""
     return Target(path, make_replacement=fused(pattern, body, tuple(assumes)), fingerprints=frozenset({fingerprint}))
 
 
-def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -> Callable[[Any], Any]:
-    """A ``make_replacement`` for a method: ``body`` where it covers the call, else the original."""
+def fused(pattern: str, body: Body, assumes: Iterable[str] = ()) -> Callable[[Any], Any]:
+    """A ``make_replacement`` for a method: ``body`` where it covers the call, else the original.
+
+    ``body`` is a function or a ``"module:attribute"`` reference to one, imported when the target is patched."""
+    if not callable(body) and not (isinstance(body, str) and ":" in body):
+        raise ValueError(f"the body of pattern {pattern!r} must be a function or 'module:attribute', got {body!r}")
     declared = tuple(assumes)
+    reference = body if isinstance(body, str) else None
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        body_fn = resolve(body)
         assumptions = Assumptions(original, declared)
 
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             seen = observer  # read once: another thread's coverage may remove it meanwhile
             if not steps_aside() and assumptions.intact():
-                out = body(self, *args, **kwargs)
+                out = body_fn(self, *args, **kwargs)
                 if out is not FALLBACK:
                     if seen is not None:
                         seen.record(pattern, self, None)
                     return out
             if seen is not None:
-                seen.record(pattern, self, _why_declined(seen, assumptions, body))
+                seen.record(pattern, self, _why_declined(seen, assumptions, body_fn))
             return original(self, *args, **kwargs)
 
         # The original's name and docstring; no __wrapped__ (inspect.unwrap / fingerprint see this function).
@@ -194,8 +203,11 @@ def fused(pattern: str, body: Callable[..., Any], assumes: Iterable[str] = ()) -
         method.__code__ = method.__code__.replace(co_name=original.__name__, co_qualname=original.__qualname__)
         return method
 
-    make.__name__ = f"{pattern}_{getattr(body, '__name__', 'body')}"
+    name = reference.rsplit(":", 1)[1].rsplit(".", 1)[-1] if reference else getattr(body, "__name__", "body")
+    make.__name__ = f"{pattern}_{name}"
     make.__torchpatches_fused__ = pattern  # what torchpatches.coverage lists as this target's pattern
+    if reference:
+        setattr(make, BODY_REFERENCE, reference)
     return make
 
 

@@ -34,61 +34,19 @@ Versions
 When to delete
     When diffusers ships fused adaLN kernels for eager mode (e.g. through its kernels hub).
 """
-from __future__ import annotations
-
-from typing import Any
-
-import torch
-
 from .._core.declare import Patch
-from ._fused_common import FALLBACK, FUSED_REQUIRES, LAYER_NORM, LINEAR, fusable, fused_target, linear, plain_layer_norm
-from ._modulate_calls import modulated
+from ._fused_common import FUSED_REQUIRES, LAYER_NORM, LINEAR, fused_target
 
-__all__ = ["PATCH"]
-
+_BODY = "torchpatches.patches._bodies.adaln"
 _NORMALIZATION = "diffusers.models.normalization"
 
-
-def _covered(self: Any, x: Any, *tensors: Any) -> bool:
-    """A [B, S, D] activation the kernel serves and a stock affine-free LayerNorm."""
-    return fusable(x, (self,), *tensors) and x.dim() == 3 and plain_layer_norm(self.norm, x.shape[-1])
-
-
-def _zero(self, x, timestep=None, class_labels=None, hidden_dtype=None, emb=None):
-    if not _covered(self, x, emb):
-        return FALLBACK
-    if self.emb is not None:
-        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    emb = linear(self.linear, self.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
-    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
-
-
-def _zero_single(self, x, emb=None):
-    if not _covered(self, x, emb):
-        return FALLBACK
-    emb = linear(self.linear, self.silu(emb))
-    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-    x = modulated(self.norm, x, scale_msa, shift_msa, fuse=True)
-    return x, gate_msa
-
-
-def _continuous(self, x, conditioning_embedding):
-    if not _covered(self, x, conditioning_embedding):
-        return FALLBACK
-    emb = linear(self.linear, self.silu(conditioning_embedding).to(x.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    return modulated(self.norm, x, scale, shift, fuse=True)
-
-
 #: (class, body, fingerprint of its forward in diffusers 0.42.1)
-ADALN = (("AdaLayerNormZero", _zero, "099c201ecf64710b"), ("AdaLayerNormZeroSingle", _zero_single, "6e0c5aa5daa844ce"),
-         ("AdaLayerNormContinuous", _continuous, "9cc655ba4fb2bfec"))
+ADALN = (("AdaLayerNormZero", "_zero", "099c201ecf64710b"), ("AdaLayerNormZeroSingle", "_zero_single", "6e0c5aa5daa844ce"),
+         ("AdaLayerNormContinuous", "_continuous", "9cc655ba4fb2bfec"))
 
 PATCH = Patch(
     name="adaln", summary="diffusers adaLN (LayerNorm + modulate) as one kernel in eager mode",
-    targets=tuple(fused_target("adaln", f"{_NORMALIZATION}:{name}.forward", body, fingerprint, LAYER_NORM + LINEAR)
-                  for name, body, fingerprint in ADALN),
+    targets=tuple(fused_target("adaln", f"{_NORMALIZATION}:{name}.forward", f"{_BODY}:{body}", fingerprint,
+                               LAYER_NORM + LINEAR) for name, body, fingerprint in ADALN),
     requires=FUSED_REQUIRES,
 )

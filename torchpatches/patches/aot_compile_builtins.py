@@ -22,54 +22,15 @@ Versions
 When to delete
     When the supported torch floor is 2.12.
 """
-from __future__ import annotations
-
-import builtins
-import pickle
-from typing import Any, Callable, Dict
-
 from .._core.declare import Patch, Target
 
-__all__ = ["PATCH", "make_replacement", "FINGERPRINT_TORCH_2_11_0"]
-
+_BODY = "torchpatches.patches._bodies.aot_compile_builtins"
 #: fingerprint(torch._dynamo.convert_frame.GraphCaptureOutput.get_runtime_env) of torch 2.11.0.
 FINGERPRINT_TORCH_2_11_0 = "c1de648d130a6253"
 
 
-def _picklable(members: Dict[str, Any]) -> Dict[str, Any]:
-    """The entries of a builtins dict that pickle (upstream's ``_safe_builtins_dict``)."""
-    kept = {}
-    for name, value in members.items():
-        try:
-            pickle.dumps(value)
-        except Exception:  # noqa: BLE001 - anything pickle refuses is left out, as upstream does
-            continue
-        kept[name] = value
-    return kept
-
-
-def make_replacement(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def get_runtime_env(self: Any) -> Any:
-        """torchpatches: the builtins the bytecode reads join ``used_globals`` (pytorch#177558)."""
-        env = original(self)
-        for ref in env.external_refs:
-            if ref in env.used_globals:
-                continue
-            if ref.startswith("__builtins_dict__") and ref in self.f_globals:
-                env.used_globals[ref] = _picklable(self.f_globals[ref])
-            elif hasattr(builtins, ref):
-                env.used_globals[ref] = getattr(builtins, ref)
-        return env
-
-    return get_runtime_env
-
-
-PATCH = Patch(
-    name="aot_compile_builtins",
+PATCH = Patch("aot_compile_builtins", targets=Target(
+    "torch._dynamo.convert_frame:GraphCaptureOutput.get_runtime_env", f"{_BODY}:make_replacement",
+    {FINGERPRINT_TORCH_2_11_0}),
     summary="torch 2.11: an aot_compile'd function that reads a builtin loads without f_globals (pytorch#177558)",
-    targets=(
-        Target("torch._dynamo.convert_frame:GraphCaptureOutput.get_runtime_env", make_replacement=make_replacement,
-               fingerprints=frozenset({FINGERPRINT_TORCH_2_11_0})),
-    ),
-    requires={"torch": ">=2.11"},
-)
+    requires={"torch": ">=2.11"})

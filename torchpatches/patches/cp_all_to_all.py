@@ -36,53 +36,14 @@ When to delete
     When diffusers' eager context parallelism calls c10d's collectives directly (or batches q, k and v into one
     exchange), or when the functional collectives cost no more host time than c10d's in eager.
 """
-from __future__ import annotations
-
-from typing import Any, Callable
-
-import torch
-
-from .._core.compat import is_compiling
 from .._core.declare import Patch, Target
-from ..ops._runtime.tiers import eager_transforms
-from ._direct_collectives import direct_fits, distributed_missing
+from ._direct_collectives import distributed_missing
 
-__all__ = ["PATCH"]
-
+_BODY = "torchpatches.patches._bodies.cp_all_to_all"
 _MODULE = "diffusers.models.attention_dispatch"
 
 
-def _direct_fits(x: Any, group: Any, process_group: type) -> bool:
-    return direct_fits(x, group, process_group) and x.numel() % group.size() == 0
-
-
-def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
-    import torch.distributed as dist
-
-    process_group = dist.ProcessGroup
-    all_to_all_single = dist.all_to_all_single
-
-    def _all_to_all_single(x: torch.Tensor, group: Any) -> torch.Tensor:
-        if is_compiling() or eager_transforms() or not _direct_fits(x, group, process_group):
-            return original(x, group)
-        flat = x.reshape(-1)
-        if not flat.is_contiguous():  # a strided 1-D view: the original says what the collective says
-            return original(x, group)
-        out = torch.empty_like(flat)
-        all_to_all_single(out, flat, group=group)
-        return out.view(x.shape)
-
-    _all_to_all_single.__doc__ = original.__doc__
-    return _all_to_all_single
-
-
-PATCH = Patch(
-    name="cp_all_to_all",
-    summary="diffusers' Ulysses all-to-all (context parallelism) through c10d directly in eager",
-    targets=(
-        Target(f"{_MODULE}:_all_to_all_single", make_replacement=_replacement,
-               fingerprints=frozenset({"7fe3c3e9aff59e68"})),
-    ),
-    requires={"diffusers": ">=0.36,<0.43"},
-    precondition=distributed_missing,
-)
+PATCH = Patch("cp_all_to_all", targets=Target(f"{_MODULE}:_all_to_all_single", f"{_BODY}:_replacement",
+                                             {"7fe3c3e9aff59e68"}),
+              summary="diffusers' Ulysses all-to-all (context parallelism) through c10d directly in eager",
+              requires={"diffusers": ">=0.36,<0.43"}, precondition=distributed_missing)

@@ -28,43 +28,16 @@ Versions
 When to delete
     When diffusers (or torch's ``F.linear``) fuses the activation into the GEMM in eager mode.
 """
-from __future__ import annotations
-
-import sys
-
-import torch
-
 from .._core.declare import Patch
-from ._fused_common import FALLBACK, FUSED_REQUIRES, GELU, declined, fusable, fused_target, stock
-from ._lora_calls import lora_gelu
+from ._fused_common import FUSED_REQUIRES, GELU, fused_target
 
-__all__ = ["PATCH"]
-
+_BODY = "torchpatches.patches._bodies.gelu_gemm"
 _ACTIVATIONS = "diffusers.models.activations"
-
-
-def _gelu_gemm(self, hidden_states):
-    from ..ops import _linear_gelu as ops  # lazily: with the target
-
-    proj = self.proj
-    if self.approximate != "tanh":
-        return declined(f"GELU(approximate={self.approximate!r}): the epilogue computes the tanh form")
-    if type(self).gelu is not sys.modules[_ACTIVATIONS].GELU.gelu:  # the fused path skips ``self.gelu``
-        return declined("a GELU subclass overrides gelu()")
-    if not fusable(hidden_states, (self,)):
-        return FALLBACK
-    if type(proj) is not torch.nn.Linear:  # a LoRA-wrapped projection: the GELU in its last adapter's epilogue
-        return lora_gelu(proj, hidden_states)
-    if not (stock(proj, torch.nn.Linear) and type(proj.weight) is torch.nn.Parameter):
-        return FALLBACK
-    if not ops.lt_tier_fits(hidden_states, proj.weight, proj.bias):
-        return declined("the cuBLASLt epilogue serves this projection only on CUDA, in fp16/bf16, with a bias")
-    return ops.linear_gelu_tanh(hidden_states, proj.weight, proj.bias, tier="cublaslt")
 
 
 PATCH = Patch(
     name="gelu_gemm", summary="diffusers GELU(tanh) projection with the GELU in the cuBLASLt epilogue (eager, CUDA)",
-    targets=(fused_target("gelu_gemm", f"{_ACTIVATIONS}:GELU.forward", _gelu_gemm, "d6728e812cd51ebb",
+    targets=(fused_target("gelu_gemm", f"{_ACTIVATIONS}:GELU.forward", f"{_BODY}:_gelu_gemm", "d6728e812cd51ebb",
                           GELU + (f"{_ACTIVATIONS}:GELU.gelu",)),),
     requires=FUSED_REQUIRES,  # the fingerprint: diffusers 0.42.1
 )

@@ -22,47 +22,15 @@ Versions
 When to delete
     When the supported torch floor is 2.12.
 """
-from __future__ import annotations
-
-from typing import Any, Callable
-
 from .._core.declare import Patch, Target
 
-__all__ = ["PATCH", "make_replacement", "FINGERPRINT_TORCH_2_11_0"]
-
+_BODY = "torchpatches.patches._bodies.inductor_cpp_indirect_assert"
 #: fingerprint(torch._inductor.codegen.cpp.CppVecKernel.indirect_assert) of torch 2.11.0.
 FINGERPRINT_TORCH_2_11_0 = "161b5531109588da"
 
 
-class _BroadcastMask:
-    """A scalar mask written as the vector mask it broadcasts to (what the original emits for a vector mask)."""
-
-    is_vec = True
-
-    def __init__(self, expression: str) -> None:
-        self.expression = expression
-
-    def __str__(self) -> str:
-        return self.expression
-
-
-def make_replacement(original: Callable[..., Any]) -> Callable[..., Any]:
-    def indirect_assert(self: Any, var: Any, lower: Any, upper: Any, mask: Any = None) -> Any:
-        """torchpatches: a scalar mask under a vector index is broadcast with ``VecMask::from`` (pytorch#178148)."""
-        if mask is not None and getattr(var, "is_vec", False) and getattr(mask, "is_vec", True) is False:
-            mask = _BroadcastMask(f"{self._get_mask_type(var.dtype)}::from({mask})")
-        return original(self, var, lower, upper, mask)
-
-    return indirect_assert
-
-
-PATCH = Patch(
-    name="inductor_cpp_indirect_assert",
+PATCH = Patch("inductor_cpp_indirect_assert", targets=Target(
+    "torch._inductor.codegen.cpp:CppVecKernel.indirect_assert", f"{_BODY}:make_replacement",
+    {FINGERPRINT_TORCH_2_11_0}),
     summary="torch 2.11 Inductor CPU: a vectorized gather bounds-checked under a scalar mask compiles (pytorch#178148)",
-    targets=(
-        Target("torch._inductor.codegen.cpp:CppVecKernel.indirect_assert", make_replacement=make_replacement,
-               fingerprints=frozenset({FINGERPRINT_TORCH_2_11_0})),
-    ),
-    requires={"torch": ">=2.11"},
-    inductor_cache_key=True,
-)
+    requires={"torch": ">=2.11"}, inductor_cache_key=True)

@@ -25,66 +25,17 @@ Versions
 When to delete
     When the supported torch floor is 2.13.
 """
-from __future__ import annotations
-
-import sys
-from typing import Any, Callable, Optional
-
 from .._core.declare import Patch, Target
 
-__all__ = ["PATCH", "make_replacement", "DeferredText"]
-
+_BODY = "torchpatches.patches._bodies.inductor_fallback_log"
 _EXC = "torch._inductor.exc"
 
 
-class DeferredText:
-    """``str(self)`` is ``build(*args)``, computed once, when first asked for (a log record's ``%s``)."""
-
-    __slots__ = ("_build", "_args", "_text")
-
-    def __init__(self, build: Callable[..., str], *args: Any) -> None:
-        self._build, self._args = build, args
-        self._text: Optional[str] = None
-
-    def __str__(self) -> str:
-        if self._text is None:
-            self._text = self._build(*self._args)
-            self._args = ()
-        return self._text
-
-    def __repr__(self) -> str:
-        return repr(str(self))
-
-
-def _call_function_code() -> Any:
-    """The code of ``GraphLowering.call_function`` (read per call: ``torch._inductor.exc`` loads before ``graph``)."""
-    graph = sys.modules.get("torch._inductor.graph")
-    lowering = getattr(graph, "GraphLowering", None)
-    return getattr(getattr(lowering, "call_function", None), "__code__", None)
-
-
-def make_replacement(original: Any) -> Any:
-    build = original.__func__ if isinstance(original, staticmethod) else original
-
-    def operator_str(target: Any, args: Any, kwargs: Any) -> Any:
-        """torchpatches: deferred for the implicit-fallback log line (GraphLowering.call_function), else the original."""
-        code = sys._getframe(1).f_code
-        if code.co_name == "call_function" and code is _call_function_code():
-            return DeferredText(build, target, args, kwargs)
-        return build(target, args, kwargs)
-
-    return staticmethod(operator_str)
-
-
-PATCH = Patch(
-    name="inductor_fallback_log",
+# 2.13 has the same operator_str but formats it lazily at the call site itself (its call_function never calls
+# it). Not ``verifies`` on call_function: torch._inductor.exc loads while Inductor's modules are half-run, and
+# reading torch._inductor.graph then would import it in the middle of that chain.
+PATCH = Patch("inductor_fallback_log", targets=Target(
+    f"{_EXC}:OperatorIssue.operator_str", f"{_BODY}:make_replacement",
+    {"d7c1758d4f17e93d"}),  # torch 2.11.0, 2.12.1 (and 2.13.0: see requires)
     summary="torch 2.11/2.12 Inductor: the implicit-fallback INFO log line is formatted only when emitted",
-    targets=(
-        Target(f"{_EXC}:OperatorIssue.operator_str", make_replacement=make_replacement,
-               fingerprints=frozenset({"d7c1758d4f17e93d"})),  # torch 2.11.0, 2.12.1 (and 2.13.0: see requires)
-    ),
-    # 2.13 has the same operator_str but formats it lazily at the call site itself (its call_function never calls
-    # it). Not ``verifies`` on call_function: torch._inductor.exc loads while Inductor's modules are half-run, and
-    # reading torch._inductor.graph then would import it in the middle of that chain.
-    requires={"torch": ">=2.11,<2.13"},
-)
+    requires={"torch": ">=2.11,<2.13"})

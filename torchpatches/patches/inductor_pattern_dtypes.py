@@ -25,46 +25,18 @@ Versions
 When to delete
     When the supported torch floor carries pytorch#196013 (or another fix of #193710).
 """
-from __future__ import annotations
-
-from typing import Any, Callable
-
 from .._core.declare import Patch, Target
 
-__all__ = ["PATCH", "make_replacement"]
-
+_BODY = "torchpatches.patches._bodies.inductor_pattern_dtypes"
 _PM = "torch._inductor.pattern_matcher"
 
 
-def make_replacement(original: Callable[..., bool]) -> Callable[..., bool]:
-    import torch
-    from torch._library.utils import is_builtin
-
-    def fallback_node_due_to_unsupported_type(node: Any, allow_cpu_inputs: bool = True) -> bool:
-        """torchpatches: only a built-in op's anchor is skipped for its input dtypes (pytorch#196013)."""
-        target = node.target
-        if not (isinstance(target, torch._ops.OpOverload) and is_builtin(target)):
-            return False
-        return original(node, allow_cpu_inputs=allow_cpu_inputs)
-
-    return fallback_node_due_to_unsupported_type
-
-
-PATCH = Patch(
-    name="inductor_pattern_dtypes",
-    summary="Inductor pattern matcher: patterns anchored on custom ops fire whatever their input dtypes (pytorch#193710)",
-    targets=(
-        Target(f"{_PM}:fallback_node_due_to_unsupported_type", make_replacement=make_replacement,
-               fingerprints=frozenset({"e239b0aeb63c033f",  # torch 2.11.0, 2.12.1, 2.13.0
-                                       "1d9bcb957d39d426"})),  # torch 2.15.0
-    ),
-    # The one reader of that name, whose skip the patch narrows.
-    verifies={f"{_PM}:PatternMatcherPass.apply": frozenset({
-        "fbf0155c1a3bcabb",  # torch 2.11.0
-        "b5eabb7c1c4f8159",  # torch 2.12.1
-        "bb21453f423fb44e",  # torch 2.13.0
-        "c8aa441b1c6b03d8",  # torch 2.15.0
-    })},
-    requires={"torch": ">=2.11"},
-    inductor_cache_key=True,
-)
+PATCH = Patch("inductor_pattern_dtypes", targets=Target(
+    f"{_PM}:fallback_node_due_to_unsupported_type", f"{_BODY}:make_replacement",
+    {"e239b0aeb63c033f", "1d9bcb957d39d426"}),  # torch 2.11.0, 2.12.1, 2.13.0; torch 2.15.0
+    summary="Inductor pattern matcher: patterns anchored on custom ops fire whatever their input dtypes "
+            "(pytorch#193710)",
+    # The one reader of that name, whose skip the patch narrows: torch 2.11.0, 2.12.1, 2.13.0, 2.15.0.
+    verifies={f"{_PM}:PatternMatcherPass.apply": {"fbf0155c1a3bcabb", "b5eabb7c1c4f8159", "bb21453f423fb44e",
+                                                  "c8aa441b1c6b03d8"}},
+    requires={"torch": ">=2.11"}, inductor_cache_key=True)

@@ -41,14 +41,11 @@ Versions
 When to delete
     When peft computes the stock LoRA branch with ``addmm`` (or an equivalent fused epilogue) itself.
 """
-from __future__ import annotations
-
 from .._core.declare import Patch, Target
-from ._fused_common import FALLBACK, fused
-from ._lora_calls import LAYER, lora_linear
+from ._fused_common import fused
+from ._lora_calls import LAYER
 
-__all__ = ["PATCH"]
-
+_BODY = "torchpatches.patches._bodies.lora"
 #: What the skipped module calls and helpers reach (checked by identity per call, as the original's globals).
 ASSUMES = (
     "torch.nn.functional:linear",
@@ -60,17 +57,11 @@ ASSUMES = (
 )
 
 
-def _lora(self, x, *args, **kwargs):
-    if args or kwargs:  # adapter_names (mixed batch), variant or base-layer arguments: peft's code
-        return FALLBACK
-    return lora_linear(self, x)
-
-
 PATCH = Patch(
     name="lora",
     summary="peft lora.Linear: each adapter's product added in its GEMM epilogue (addmm, beta=1), GELU too (eager)",
     targets=(
-        Target(f"{LAYER}:Linear.forward", make_replacement=fused("lora", _lora, ASSUMES),
+        Target(f"{LAYER}:Linear.forward", make_replacement=fused("lora", f"{_BODY}:_lora", ASSUMES),
                fingerprints=frozenset({
                    "a15acbef02c65d58",  # peft 0.21.0 (tested); the same source in 0.18.0 - 0.21.2
                    "9610a28f4ebc67ef",  # peft 0.17.0, 0.17.1 (read from the released source)

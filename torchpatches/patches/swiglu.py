@@ -23,27 +23,15 @@ Versions
 When to delete
     When diffusers ships a fused SwiGLU for eager mode.
 """
-from __future__ import annotations
-
-import torch
-
 from .._core.declare import Patch
-from ._fused_common import FALLBACK, FUSED_REQUIRES, SILU, fusable, fused_target, stock
+from ._fused_common import FUSED_REQUIRES, SILU, fused_target
 
-__all__ = ["PATCH"]
-
-
-def _swiglu(self, x):
-    if not (fusable(x, (self,)) and x.dim() >= 2 and x.shape[-1] % 2 == 0 and stock(self.gate_fn, torch.nn.SiLU)):
-        return FALLBACK
-    from ..ops._swiglu import swiglu  # lazily: importing an op registers torch.library ops
-
-    return swiglu(x)
+_BODY = "torchpatches.patches._bodies.swiglu"
 
 
 PATCH = Patch(
     name="swiglu", summary="FLUX.2 SwiGLU as one kernel in eager mode",
-    targets=(fused_target("swiglu", "diffusers.models.transformers.transformer_flux2:Flux2SwiGLU.forward", _swiglu,
+    targets=(fused_target("swiglu", "diffusers.models.transformers.transformer_flux2:Flux2SwiGLU.forward", f"{_BODY}:_swiglu",
                           "e565d6e467a53e9b", SILU),),
     requires=FUSED_REQUIRES,  # the fingerprint: diffusers 0.42.1
 )
