@@ -88,11 +88,11 @@ def test_weight_of_another_shape_set_through_data(flux1, calls: Dict[str, int]) 
 
     model, inputs = flux1
     attn = model.single_transformer_blocks[0].attn
-    q = torch.randn(1, 4, attn.heads, attn.head_dim)
-    assert _norms_ok(attn, q, False)
     weight = attn.norm_k.weight
+    q = torch.randn(1, 4, attn.heads, attn.head_dim, device=weight.device)
+    assert _norms_ok(attn, q, False)
     kept = weight.data
-    weight.data = torch.ones(attn.head_dim + 2)
+    weight.data = torch.ones(attn.head_dim + 2, device=weight.device)
     try:
         assert not _norms_ok(attn, q, False)
     finally:
