@@ -1,5 +1,7 @@
-"""The model runner: every diffusion transformer torchpatches serves (FLUX.1, FLUX.2, Wan 2.x, QwenImage, SD3.5), eager
-and compiled, with and without torchpatches, in one table per model; ``--plot`` draws the charts.
+"""The model runner: every diffusion transformer torchpatches serves (FLUX.1, FLUX.2, Wan 2.x, QwenImage, SD3.5) and the
+families it fuses nothing in yet (FLUX.3, QwenImage 2.1, Z-Image, Krea 2, Wan 2.2 TI2V, HunyuanVideo 1.5, LTX-2,
+Ideogram 4, Kandinsky 6, Chroma, HiDream-I1), eager and compiled, with and without torchpatches, in one table per
+model; ``--plot`` draws the charts.
 
 Production widths, random bf16 weights built on the GPU, batch 1, the inputs each diffusers pipeline passes
 (``_dit_models.py`` says which shapes, layer subsets and inputs). For each model, in one process:
@@ -190,6 +192,8 @@ class Row:
         with self.context(), torch.inference_mode():
             t = time.perf_counter()
             out = self.step()[0]
+            if isinstance(out, list):  # one tensor per sample (Z-Image)
+                out = torch.stack(out)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             self.first_s = time.perf_counter() - t

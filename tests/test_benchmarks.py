@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -140,3 +141,50 @@ def test_benchmarks_import_public_names_only() -> None:
             found += [f"{path.name}: {name}" for name in names
                       if name.split(".")[0] == "torchpatches" and name not in PUBLIC]
     assert found == []
+
+
+#: dit.py's families whose forward cannot run on the meta device (data-dependent host code) -> where
+META_FORWARD_FAILS = {
+    "qwenimage21": "repeat_interleave of img_mask without output_size",
+    "hunyuanvideo15": "`if torch.all(image_embeds == 0)` (.item())",
+    "ideogram4": "torch.autocast(device_type='meta') in its MRoPE",
+    "hidream": "the MoE's bincount().cpu().numpy() routing",
+}
+#: dit.py's other families torchpatches fuses nothing in yet -> their output's shape (the latents', per sample for
+#: Z-Image)
+FAMILY_OUTPUTS = {
+    "flux3": (1, 4096, 128), "zimage": (16, 1, 128, 128), "krea2": (1, 4096, 64), "wan22-ti2v": (1, 48, 31, 44, 80),
+    "ltx2": (1, 14080, 128), "kandinsky6": (1, 31, 60, 108, 16), "chroma": (1, 4096, 64),
+}
+
+
+@pytest.mark.parametrize("name", [*FAMILY_OUTPUTS, *META_FORWARD_FAILS])
+def test_a_family_spec_builds_on_meta_and_takes_its_inputs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The production config with its default layer subset builds (meta device, bf16: no memory), its block lists
+    hold the default layer counts, every input is one the forward takes, and where the forward runs on meta it
+    returns the latents' shape."""
+    import inspect
+
+    diffusers = pytest.importorskip("diffusers")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from _dit_models import SPECS, layers_of
+
+    spec, meta = SPECS[name], torch.device("meta")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with meta:
+            model = getattr(diffusers, spec.cls_name)(**spec.config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    assert tuple(len(getattr(model, attr)) for attr in spec.block_lists) == layers_of(spec, spec.config)
+    assert all(n <= full for n, full in zip(layers_of(spec, spec.config), spec.full_layers))
+    feed = spec.inputs(spec.config, lambda *shape: torch.empty(*shape, device=meta, dtype=torch.bfloat16), meta,
+                       torch.bfloat16)
+    inspect.signature(model.forward).bind(**feed)
+    assert all(t.device == meta for t in feed.values() if isinstance(t, torch.Tensor))
+    if name in META_FORWARD_FAILS:
+        return
+    with torch.no_grad():
+        out = model(**feed)[0]
+    assert tuple((out[0] if isinstance(out, list) else out).shape) == FAMILY_OUTPUTS[name]

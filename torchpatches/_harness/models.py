@@ -1,8 +1,9 @@
 """Tiny diffusers models by name (:data:`CONFIGS`, :func:`build_model`) and their inputs (:func:`tiny_inputs`).
 
-FLUX.1, FLUX.2, SD3, QwenImage, Wan, HunyuanVideo, ``FeedForward`` and the models whose warning sites
-``compile_warnings`` covers. A pinned number in a test (kernels, graph breaks) belongs to a named config:
-change a config and the numbers measured on it change meaning, so add a config instead. Random weights,
+FLUX.1, FLUX.2, SD3, QwenImage, Wan, HunyuanVideo, ``FeedForward``, the models whose warning sites
+``compile_warnings`` covers, and (from ``families``) the families torchpatches fuses nothing in yet. A pinned
+number in a test (kernels, graph breaks) belongs to a named config: change a config and the numbers measured on
+it change meaning, so add a config instead. Random weights,
 no download; diffusers is imported when a model is built.
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ import functools
 from typing import Any, Callable, Dict, Tuple, Union
 
 import torch
+
+from .families import FAMILY_CONFIGS, FAMILY_INPUTS
 
 __all__ = ["CONFIGS", "build_model", "tiny_inputs"]
 
@@ -35,8 +38,6 @@ _WAN_FUSED = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_di
 
 #: name -> (diffusers class, constructor arguments). Random weights, no download.
 CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
-    # 1 double + 1 single block. Pinned on it: compile_warnings' graph breaks, inductor_realize's
-    # flux_tiny counts (18 kernels, 84 nests, 45 buffers, 619,316 bytes on torch 2.11).
     # 1 double + 1 single block. Pinned on it: compile_warnings' graph breaks, inductor_realize's
     # flux_tiny counts (18 kernels, 84 nests, 45 buffers, 619,316 bytes on torch 2.11).
     "flux1": ("FluxTransformer2DModel", _FLUX1),
@@ -108,6 +109,7 @@ CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         num_attention_heads=2, attention_head_dim=8, in_channels=16, out_channels=16, num_layers=1,
         norm_num_groups=4, cross_attention_dim=16,
     )),
+    **FAMILY_CONFIGS,
 }  # fmt: skip
 
 
@@ -139,7 +141,8 @@ def tiny_inputs(
     ``joint_attention_kwargs`` or ``attention_kwargs``, as the model names it); for FLUX.1/FLUX.2
     ``side`` (the latent grid is side x side tokens, 4), ``text_tokens`` (8); for FLUX.1 ``ids_3d``
     (the deprecated ``[1, S, 3]`` ids); for Wan ``side`` (2 latent frames of side x side, 8); for
-    ``feedforward`` any extra call argument (``scale=0.5``).
+    ``feedforward`` any extra call argument (``scale=0.5``); for Chroma ``text_padding`` (its pipeline's
+    ``attention_mask``); for QwenImage 2.1 ``kv_cache_mode`` ("cached", or "extract": the first step).
     """
     generator = torch.Generator().manual_seed(1)
 
@@ -242,10 +245,16 @@ def _feedforward_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tenso
 
 
 def _flux_like_inputs(config: Dict[str, Any], randn: Callable[..., torch.Tensor], device: torch.device,
-                      dtype: torch.dtype, ids_3d: bool = False) -> Dict[str, Any]:
-    """Chroma and Ovis-Image: FLUX.1's inputs without pooled projections (4x4 latent grid, 8 text tokens)."""
+                      dtype: torch.dtype, ids_3d: bool = False, text_padding: int = 0) -> Dict[str, Any]:
+    """Chroma and Ovis-Image: FLUX.1's inputs without pooled projections (4x4 latent grid, 8 text tokens).
+    ``text_padding`` (Chroma): ChromaPipeline's ``attention_mask``, the prompt's bool mask (its last ``text_padding``
+    tokens padding) followed by the image tokens' ones."""
     kwargs = _flux1_inputs(dict(config, pooled_projection_dim=1, guidance_embeds=False), randn, device, dtype, ids_3d)
     del kwargs["pooled_projections"]
+    if text_padding:
+        mask = torch.ones(1, 8 + 16, dtype=torch.bool, device=device)
+        mask[:, 8 - text_padding:8] = False
+        kwargs["attention_mask"] = mask
     return kwargs
 
 
@@ -275,8 +284,10 @@ _INPUTS: Dict[str, Callable[..., Dict[str, Any]]] = {
     "chroma": _flux_like_inputs, "ovis": _flux_like_inputs, "auraflow": _auraflow_inputs, "pixart": _pixart_inputs,
     "dreamlite": _dreamlite_inputs,
     "qwenimage-fused": functools.partial(_qwenimage_inputs, text_padding=2),
+    **FAMILY_INPUTS,
 }
 _ATTENTION_KWARGS = {
     "flux1": "joint_attention_kwargs", "flux2": "joint_attention_kwargs", "sd3": "joint_attention_kwargs",
     "chroma": "joint_attention_kwargs", "ovis": "joint_attention_kwargs", "pixart": "cross_attention_kwargs",
+    "zimage": "joint_attention_kwargs",
 }
