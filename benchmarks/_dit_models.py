@@ -280,6 +280,10 @@ def _hidream(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: 
 
 
 _FLUX_BLOCKS = ("transformer_blocks", "single_transformer_blocks")
+#: Wan2.1-T2V-14B at 4 of its 40 layers (the base of Wan 2.2 TI2V-5B's config below).
+_WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=4, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 
 SPECS: Dict[str, Spec] = {
     "flux1": Spec("FluxTransformer2DModel", dict(
@@ -293,11 +297,7 @@ SPECS: Dict[str, Spec] = {
         axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=True),
         ("num_layers", "num_single_layers"), _FLUX_BLOCKS, (8, 48),
         lambda config, randn, device, dtype: flux_inputs("flux2", config, 1024, 512, device, dtype)),
-    "wan": Spec("WanTransformer3DModel", dict(
-        patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-        text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=4, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024), ("num_layers",), ("blocks",), (40,),
-        _wan),
+    "wan": Spec("WanTransformer3DModel", _WAN_14B, ("num_layers",), ("blocks",), (40,), _wan),
     "qwenimage": Spec("QwenImageTransformer2DModel", dict(
         patch_size=2, in_channels=64, out_channels=16, num_layers=6, attention_head_dim=128, num_attention_heads=24,
         joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56)),
@@ -326,11 +326,10 @@ SPECS: Dict[str, Spec] = {
         text_num_attention_heads=20, text_num_key_value_heads=20, text_intermediate_size=6912,
         num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48)),
         ("num_layers",), ("transformer_blocks",), (28,), _krea2),
-    "wan22-ti2v": Spec("WanTransformer3DModel", dict(
-        patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
-        text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=4, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024), ("num_layers",), ("blocks",), (30,),
-        _wan22_ti2v),
+    # Wan 2.2 TI2V-5B: Wan 2.1 14B's block with 24 heads, FFN 14336 and a 48-channel VAE.
+    "wan22-ti2v": Spec("WanTransformer3DModel", dict(_WAN_14B, num_attention_heads=24, in_channels=48,
+                                                     out_channels=48, ffn_dim=14336),
+                       ("num_layers",), ("blocks",), (30,), _wan22_ti2v),
     "hunyuanvideo15": Spec("HunyuanVideo15Transformer3DModel", dict(
         in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=4,
         num_refiner_layers=2, mlp_ratio=4.0, text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152,

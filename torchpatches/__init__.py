@@ -57,14 +57,13 @@ def _load_patches() -> Tuple[List[Patch], Dict[str, str], Dict[str, str]]:
     """The patches, the patch files that failed to load, and those skipped: every patch when torch is not
     installed (their replacement code needs it), one whose file imports another package that is not installed --
     nothing to patch then, so not a failure."""
+    no_torch = not_installed_reason("torch")
+    if no_torch is not None:
+        return [], {}, dict.fromkeys(PATCH_MODULES, no_torch)
     patches: List[Patch] = []
     errors: Dict[str, str] = {}
     skipped: Dict[str, str] = {}
-    no_torch = not_installed_reason("torch")
     for module_name in PATCH_MODULES:
-        if no_torch is not None:
-            skipped[module_name] = no_torch
-            continue
         try:
             module = importlib.import_module(f"{__name__}.patches.{module_name}")
             patches.append(module.PATCH)

@@ -13,7 +13,7 @@ from types import ModuleType
 import operator
 from typing import Any, Callable, Union
 
-__all__ = ["lazy_module", "body", "resolve"]
+__all__ = ["lazy_module", "body", "resolve", "reference_name"]
 
 #: The attribute on a :func:`body` function that names what it stands for (``"module:attribute"``).
 BODY_REFERENCE = "__torchpatches_body__"
@@ -32,12 +32,19 @@ def lazy_module(name: str) -> Callable[[], ModuleType]:
     return module
 
 
+def reference_name(reference: Any) -> str:
+    """The last name of a ``"module:attribute"`` reference (``"make"`` of ``"m:Cls.make"``); ValueError when
+    ``reference`` is not such a str."""
+    if not isinstance(reference, str) or ":" not in reference:
+        raise ValueError(f"a body reference must be 'module:attribute', got {reference!r}")
+    return reference.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+
+
 def resolve(reference: Union[str, Callable[..., Any]]) -> Callable[..., Any]:
     """The object a ``"module:attribute"`` reference names (imported now); a callable is returned as it is."""
     if callable(reference):
         return reference
-    if not isinstance(reference, str) or ":" not in reference:
-        raise ValueError(f"a body reference must be 'module:attribute' or a callable, got {reference!r}")
+    reference_name(reference)  # the check
     module_name, attribute = reference.split(":", 1)
     return operator.attrgetter(attribute)(importlib.import_module(module_name))
 
@@ -46,8 +53,7 @@ def body(reference: str) -> Callable[..., Any]:
     """A function that calls what ``reference`` (``"module:attribute"``, absolute) names, importing its module at
     the first call. A patch declares its ``make_replacement`` this way so that ``import torchpatches`` compiles no
     replacement code: the registry calls it only when the target's module has loaded."""
-    if not isinstance(reference, str) or ":" not in reference:
-        raise ValueError(f"a body reference must be 'module:attribute', got {reference!r}")
+    name = reference_name(reference)
     loaded: list = []
 
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -55,6 +61,6 @@ def body(reference: str) -> Callable[..., Any]:
             loaded.append(resolve(reference))
         return loaded[0](*args, **kwargs)
 
-    call.__qualname__ = call.__name__ = reference.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+    call.__qualname__ = call.__name__ = name
     setattr(call, BODY_REFERENCE, reference)
     return call

@@ -44,7 +44,7 @@ import torch
 
 from .._core.compat import is_compiling
 from .._core.declare import Target
-from .._core.lazy import BODY_REFERENCE, resolve
+from .._core.lazy import BODY_REFERENCE, reference_name, resolve
 from .._core.slot import MARK_ORIGINAL, MARK_PATCH
 from ..ops._runtime.tiers import FLOAT_DTYPES, eager_transforms, forced_tier
 
@@ -172,10 +172,9 @@ def fused(pattern: str, body: Body, assumes: Iterable[str] = ()) -> Callable[[An
     """A ``make_replacement`` for a method: ``body`` where it covers the call, else the original.
 
     ``body`` is a function or a ``"module:attribute"`` reference to one, imported when the target is patched."""
-    if not callable(body) and not (isinstance(body, str) and ":" in body):
-        raise ValueError(f"the body of pattern {pattern!r} must be a function or 'module:attribute', got {body!r}")
+    reference = None if callable(body) else body
+    name = getattr(body, "__name__", "body") if reference is None else reference_name(reference)  # checks it
     declared = tuple(assumes)
-    reference = body if isinstance(body, str) else None
 
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         body_fn = resolve(body)
@@ -203,7 +202,6 @@ def fused(pattern: str, body: Body, assumes: Iterable[str] = ()) -> Callable[[An
         method.__code__ = method.__code__.replace(co_name=original.__name__, co_qualname=original.__qualname__)
         return method
 
-    name = reference.rsplit(":", 1)[1].rsplit(".", 1)[-1] if reference else getattr(body, "__name__", "body")
     make.__name__ = f"{pattern}_{name}"
     make.__torchpatches_fused__ = pattern  # what torchpatches.coverage lists as this target's pattern
     if reference:
