@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-# fingerprint(torch._inductor.ir.StorageBox.should_realize_on_reuse) of 2.11's rule: the original
-# this patch restates and was verified against (equivalence tests on 2.11.0+cu130 and 2.12.1+cu130).
-FINGERPRINT_TORCH_2_11_0 = "1d32e5f50cbc847e"
 # The original's CPU heavy-op list, kept verbatim (2.13 widened it; we keep 2.11's behaviour).
 _CPU_HEAVY_OPS = ("exp", "sigmoid")
 

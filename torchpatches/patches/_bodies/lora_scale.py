@@ -11,13 +11,6 @@ import torch
 
 from ..._core.compat import is_compiling
 
-#: Modules that bind the functions by name and call them per forward (``diffusers.utils`` re-exports them:
-#: ``from diffusers.utils import scale_lora_layers``).
-_SCALE_ALIASES = (
-    "diffusers.utils:scale_lora_layers",
-    "diffusers.models.transformers.transformer_motif_video:scale_lora_layers",
-    "diffusers.models.transformers.transformer_nucleusmoe_image:scale_lora_layers",
-)
 _MODULE_WALK = (torch.nn.Module.modules, torch.nn.Module.named_modules)
 # What a walk does with a class's instances: skip them (None children), refuse (an own walk), or visit them.
 _SKIP, _REFUSE, _OTHER, _LAYER = range(4)

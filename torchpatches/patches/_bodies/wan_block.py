@@ -10,8 +10,6 @@ import torch
 from .._fused_common import FALLBACK, fusable, stock
 from .._modulate_calls import _rows_fit, _vectors_fit, modulated_once, modulate_ops
 
-_NORMALIZATION = "diffusers.models.normalization"
-
 
 def _fp32_layer_norm() -> type:
     from diffusers.models.normalization import FP32LayerNorm  # loaded with the target's module
