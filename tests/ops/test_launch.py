@@ -423,8 +423,9 @@ def test_interpreted_kernel_results_equal_kernel_grid() -> None:
         out_a, out_b = torch.empty(3, F, dtype=x.dtype), torch.empty(3, F, dtype=x.dtype)
         cx = dict(BLOCK=16 if F <= 16 else 32, KIND=1, LIBDEVICE=False, num_warps=1)
         grid = (3, 1 + (F - 1) // cx["BLOCK"])
-        kernel[grid](x, out_a, F, x.stride(0), out_a.stride(0), **cx)
-        _launch.launch(kernel, grid, (x, out_b, F, x.stride(0), out_b.stride(0)), cx)
+        # the one-input form: gate and up are x's two halves (up at column offset F)
+        kernel[grid](x, x, out_a, F, x.stride(0), x.stride(0), out_a.stride(0), F, **cx)
+        _launch.launch(kernel, grid, (x, x, out_b, F, x.stride(0), x.stride(0), out_b.stride(0), F), cx)
         assert torch.equal(out_a.view(torch.int16), out_b.view(torch.int16))
 
 

@@ -136,6 +136,14 @@ def _swiglu(a: Args, tier: str) -> tuple:
     return (swiglu.swiglu(a["x"], tier=tier),)
 
 
+def _swiglu_two_args(dtype: torch.dtype) -> Args:
+    return dict(x=_randn(2, 5, 8, seed=1, dtype=dtype), up=_randn(2, 5, 8, seed=2, dtype=dtype))
+
+
+def _swiglu_two(a: Args, tier: str) -> tuple:
+    return (swiglu.swiglu(a["x"], a["up"], tier=tier),)
+
+
 def _slices_args(dtype: torch.dtype) -> Args:
     return dict(x=_randn(2, 5, 8, seed=1, dtype=dtype))
 
@@ -211,6 +219,7 @@ OPS: Dict[str, Tuple[Callable[[torch.dtype], Args], Callable[[Args, str], tuple]
     "residual_layer_norm_modulate": (_mod_args, _res_lnmod, ("x", "y", "scale")),
     "gate_residual_layer_norm": (_mod_args, _gate_res_ln, ("x", "gate", "y", "weight", "bias")),
     "swiglu": (_swiglu_args, _swiglu, ("x",)),
+    "swiglu two": (_swiglu_two_args, _swiglu_two, ("x", "up")),
     "gelu_tanh_into": (_slices_args, _gelu_into, ("x",)),
     "copy_into": (_slices_args, _copy_into, ("x",)),
     "lse_merge": (_lse_args, _lse, ("out_a", "lse_a", "out_b", "lse_b")),

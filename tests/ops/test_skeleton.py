@@ -136,6 +136,10 @@ def _swiglu(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return swiglu.swiglu(x, tier=tier)
 
 
+def _swiglu_two(x: torch.Tensor, tier: Any) -> torch.Tensor:
+    return swiglu.swiglu(x, x * 2, tier=tier)
+
+
 def _gelu_into(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return slices.gelu_tanh_into(x, torch.empty_like(x), tier=tier)
 
@@ -174,7 +178,8 @@ def _rope_tables(x: torch.Tensor, tier: Any) -> torch.Tensor:
 
 
 OPS: Dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
-    "layer_norm_modulate": _lnmod, "gate_residual": _gate, "swiglu": _swiglu, "gelu_tanh_into": _gelu_into,
+    "layer_norm_modulate": _lnmod, "gate_residual": _gate, "swiglu": _swiglu, "swiglu two": _swiglu_two,
+    "gelu_tanh_into": _gelu_into,
     "qk_norm_rope": _qk, "apply_rope_qk": _rope,
     "rms_norm_rope": _rms_rope, "lse_merge": _lse_merge, "rope_tables": _rope_tables,
 }
@@ -260,6 +265,7 @@ BAD_ARGUMENTS = {
     "modulate rounding": (lambda: modulate.gate_residual(_randn(1, 2, 4), _randn(1, 4), _randn(1, 2, 4),
                                                          rounding="never"), "rounding"),
     "swiglu x": (lambda: swiglu.swiglu([1.0, 2.0]), "x"),
+    "swiglu up": (lambda: swiglu.swiglu(_randn(2, 4), [1.0]), "up"),
     "gelu_tanh_into out": (lambda: slices.gelu_tanh_into(_randn(2, 4), [0.0]), "out"),
     "linear_gelu x": (lambda: linear_gelu.linear_gelu_tanh([1.0], _randn(3, 4), None), "x"),
     "linear_gelu bias": (lambda: linear_gelu.linear_gelu_tanh(_randn(2, 4), _randn(3, 4), [0.0]), "bias"),

@@ -4,7 +4,8 @@ that is still to be read. Made before anything is written; a problem raises ``Va
 - in place (RoPE's ``*_inplace``): every output can be written, and no write changes an element another
   read needs (:func:`check_inplace`);
 - ``out=`` (``swiglu``, ``slices``): ``out`` writable, its indices address distinct elements, and it shares
-  no memory with ``x`` unless an elementwise op writes ``x`` itself (:func:`check_out`);
+  no memory with ``x`` unless an elementwise op writes ``x`` itself, nor with the other inputs named
+  (:func:`check_out`);
 - an expanded input (stride 0) would make several outputs of one element (:func:`check_no_overlap`).
 
 Addresses are checked in eager only (plain tensors): under torch.compile aliasing is functionalization's
@@ -158,8 +159,10 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dtype == b.dtype)
 
 
-def check_out(x: torch.Tensor, out: torch.Tensor, *, elementwise_in_place: bool) -> None:
-    """Raise ValueError if ``out`` cannot be written safely by an op reading ``x`` (nothing is written)."""
+def check_out(x: torch.Tensor, out: torch.Tensor, *, elementwise_in_place: bool,
+              also: "Optional[dict[str, torch.Tensor]]" = None) -> None:
+    """Raise ValueError if ``out`` cannot be written safely by an op reading ``x`` (nothing is written); ``also``:
+    more inputs by name, which ``out`` must not share memory with at all (``swiglu``'s ``up``)."""
     if is_compiling():
         return
     check_writable(out, "out")
@@ -168,9 +171,13 @@ def check_out(x: torch.Tensor, out: torch.Tensor, *, elementwise_in_place: bool)
     if not elements_distinct(out):
         raise ValueError("out has overlapping memory (several indices address one element, e.g. an expanded "
                          "view): the writes would race; nothing was written (pass a contiguous out)")
-    if elementwise_in_place and _same_view(x, out):
-        return
-    if may_share_elements(x, out):
+    if not (elementwise_in_place and _same_view(x, out)) and may_share_elements(x, out):
         raise ValueError("out overlaps x in memory: elements of x would be overwritten before they are read; "
                          "nothing was written (pass an out that does not share memory with x"
                          + (", or x itself)" if elementwise_in_place else ")"))
+    if also is None:
+        return
+    for name, t in also.items():
+        if type(t) is torch.Tensor and may_share_elements(t, out):
+            raise ValueError(f"out overlaps {name} in memory: elements of {name} would be overwritten before they "
+                             f"are read; nothing was written (pass an out that does not share memory with {name})")
