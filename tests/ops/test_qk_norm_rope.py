@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _fused_checks import UNIT, assert_rotated_close, hyp, interleaved_tables, needs_triton, pair_norm, ulps
+from _fused_checks import (UNIT, assert_rotated_close, hyp, interleaved_tables, needs_triton, pair_norm, strided,
+                          ulps)
 from torchpatches.ops._qk_norm_rope import force_tier, qk_norm_rope
 
 HYP = hyp(20)
@@ -67,7 +68,8 @@ def reference64(case: Dict[str, Any]):
             return x
         a, b = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
         r = torch.stack([-b, a], dim=-1).flatten(-2)
-        return x * case["cos"].double()[None, :, None] + r * case["sin"].double()[None, :, None]
+        # [S, D] tables broadcast as [S, 1, D], per-sample [B, S, D] ones as [B, S, 1, D]
+        return x * case["cos"].double().unsqueeze(-2) + r * case["sin"].double().unsqueeze(-2)
 
     def join(t, i):
         return torch.cat([t, i], 1) if case.get("text_first", True) else torch.cat([i, t], 1)
@@ -305,3 +307,135 @@ def test_qwenimage_torch_tier_equals_diffusers_modules(dtype: torch.dtype) -> No
         fused = qk_norm_rope(q, k, cos[3:], sin[3:], q_weight=norms[0].weight, k_weight=norms[1].weight,
                              eps_q=1e-6, eps_k=1e-6, tier="torch")[0]
         assert not torch.equal(fused, oq[:, 3:])
+
+
+# ---- per-sample RoPE tables: [B, S_txt + S, D] (a batch of 1 or a batch stride of 0 shares one table) ----------
+
+
+def batched_case(B: int, S: int, St: int, dtype: torch.dtype, text_first: bool = True, rounding: str = "once",
+                 seed: int = 7) -> Dict[str, Any]:
+    """A case of ``call``'s form with per-sample tables ``[B, St + S, D]`` (other angles in each sample)."""
+    H, D = 2, 8
+    g = torch.Generator().manual_seed(seed)
+    qkv = lambda s: [(torch.randn(B, s, H, D, generator=g) * 3).to(dtype) for _ in range(3)]  # noqa: E731
+    cos, sin = interleaved_tables(torch.rand(B, S + St, D // 2, generator=g, dtype=torch.float64) * 50)
+    return dict(img=qkv(S), txt=qkv(St) if St else None, dtype=dtype, text_first=text_first, rounding=rounding,
+                weights=[(torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(4)],
+                cos=cos.float(), sin=sin.float())
+
+
+def sample(case: Dict[str, Any], b: int, **tables: torch.Tensor) -> Dict[str, Any]:
+    """Sample ``b`` of a case as a batch of one, with its own ``[S, D]`` tables (or ``tables``)."""
+    one = lambda ts: None if ts is None else [t[b:b + 1] for t in ts]  # noqa: E731
+    return dict(case, img=one(case["img"]), txt=one(case["txt"]),
+                **(tables or dict(cos=case["cos"][b], sin=case["sin"][b])))
+
+
+#: (S_txt, text_first, rounding, dtype): self-only (S_txt 0) and joint, FLUX's text-first and SD3's image-first.
+BATCHED = [pytest.param(St, first, rounding, dtype, id=f"{form}-{rounding}-{str(dtype)[6:]}")
+           for St, first, form in ((0, True, "self"), (2, True, "text-first"), (2, False, "image-first"))
+           for rounding in ("once", "each")
+           for dtype in (torch.bfloat16, torch.float32)]
+
+
+@needs_triton
+@pytest.mark.parametrize("St, text_first, rounding, dtype", BATCHED)
+def test_per_sample_tables_rotate_each_sample_by_its_own(St: int, text_first: bool, rounding: str,
+                                                         dtype: torch.dtype) -> None:
+    """[B, S_txt + S, D] tables: each tier gives every sample what the [S, D] form gives it alone, bit for bit;
+    the Triton tier is held to the PyTorch tier and float64 math as in the [S, D] tests."""
+    case = batched_case(2, 3, St, dtype, text_first, rounding)
+    got = {tier: call(case, tier) for tier in ("triton", "torch")}
+    for tier, outs in got.items():
+        for b in range(2):
+            alone = call(sample(case, b), tier)
+            for o, a in zip(outs, alone):
+                assert (o is None and a is None) or torch.equal(o[b:b + 1], a)
+    exact = reference64(case)
+    limit = (8.0 if dtype == torch.float32 else 1.0) * (2 if rounding == "each" else 1)
+    for g, r, e in zip(got["triton"][:2], got["torch"][:2], exact[:2]):
+        assert g.shape == r.shape and g.is_contiguous()
+        assert ulps(g, r, pair_norm(r)) <= limit
+        assert float(((g.double() - e).abs() / (pair_norm(e) + 1e-30)).max()) <= 6 * UNIT[dtype] + 1e-5
+
+
+#: Views of one [S, D] table as [B, S, D]: copied rows, an expanded view (batch stride 0), a batch of 1, and
+#: padded rows (row stride > D, batch stride not S * D).
+SHARED = {
+    "rows": lambda t, B: t.repeat(B, 1, 1),
+    "expanded": lambda t, B: t.expand(B, *t.shape),
+    "batch-of-1": lambda t, B: t[None],
+    "padded": lambda t, B: strided(t.repeat(B, 1, 1), pad=5),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("tier", ["triton", "torch"])
+@pytest.mark.parametrize("form", list(SHARED))
+def test_one_table_as_batched_equals_the_2d_table(form: str, tier: str) -> None:
+    """The same table as [S, D] or in any [B, S, D] form: the same outputs bit for bit (joint, bf16)."""
+    case = batched_case(2, 3, 2, torch.bfloat16)
+    flat = dict(case, cos=case["cos"][1], sin=case["sin"][1])
+    batched = dict(case, cos=SHARED[form](flat["cos"], 2), sin=SHARED[form](flat["sin"], 2))
+    for o, r in zip(call(batched, tier), call(flat, tier)):
+        assert torch.equal(o, r)
+
+
+@needs_triton
+@pytest.mark.parametrize("tier", ["triton", "torch"])
+def test_prechecked_takes_per_sample_tables(tier: str) -> None:
+    """The patches' entry passes [B, S, D] tables through as the public op does (it checks no shapes)."""
+    from torchpatches.ops._qk_norm_rope import prechecked
+
+    case = batched_case(2, 3, 2, torch.bfloat16)
+    (q, k, v), (qt, kt, vt), w = case["img"], case["txt"], case["weights"]
+    with force_tier(tier):
+        got = prechecked(q, k, case["cos"], case["sin"], w[0], w[1], (1e-6, 1e-5, 1e-6, 1e-5), v=v, q_txt=qt,
+                         k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3])
+    for g, r in zip(got, call(case, tier)):
+        assert torch.equal(g, r)
+
+
+def _bad_tables(B: int, S_all: int, D: int) -> Dict[str, Any]:
+    """(cos, sin, the message) for q [B, S, H, D] with S_txt + S = S_all: shapes the op refuses."""
+    t = torch.rand
+    return {
+        "other-batch": (t(B + 1, S_all, D), t(B + 1, S_all, D), r"cos must be .* got \(3, 5, 8\)"),
+        "other-rows": (t(B, S_all + 1, D), t(B, S_all + 1, D), r"cos must be .* got \(2, 6, 8\)"),
+        "other-head-dim": (t(B, S_all, D + 2), t(B, S_all, D + 2), r"cos must be .* got \(2, 5, 10\)"),
+        "4-D": (t(1, B, S_all, D), t(1, B, S_all, D), r"cos must be .* got \(1, 2, 5, 8\)"),
+        "1-D": (t(D), t(D), r"cos must be .* got \(8,\)"),
+        "sin-only": (t(B, S_all, D), t(B + 1, S_all, D), r"sin must be .* got \(3, 5, 8\)"),
+        "3-D-cos-2-D-sin": (t(B, S_all, D), t(S_all, D), r"same shape"),
+        "batch-B-and-1": (t(B, S_all, D), t(1, S_all, D), r"same shape"),
+        "strided-last-dim": (t(B, S_all, 2 * D)[..., ::2], t(B, S_all, D),
+                             r"cos must be .*unit-stride last dim, got \(2, 5, 8\) with strides \(80, 16, 2\)"),
+        "fp64": (t(B, S_all, D).double(), t(B, S_all, D), r"cos must be an fp32 tensor"),
+    }
+
+
+@pytest.mark.parametrize("bad", list(_bad_tables(2, 5, 8)))
+def test_bad_tables_raise_naming_the_shapes(bad: str) -> None:
+    """q [2, 3, 2, 8] with 2 text rows: tables [5, 8] or [2 (or 1), 5, 8] only, cos and sin of one shape; the
+    message names the table and both accepted shapes."""
+    case = batched_case(2, 3, 2, torch.float32)
+    cos, sin, message = _bad_tables(2, 5, 8)[bad]
+    with pytest.raises(ValueError, match=message) as raised:
+        call(dict(case, cos=cos, sin=sin), "torch")
+    if "must be [" in str(raised.value):
+        assert "[S_txt + S, D] = [5, 8] or [B, S_txt + S, D] = [2, 5, 8]" in str(raised.value)
+
+
+def test_compiles_fullgraph_with_per_sample_tables() -> None:
+    """[B, S, D] tables go through the custom op and its fake (the outputs' shapes are q's)."""
+    case = batched_case(2, 3, 0, torch.float32)
+    (q, k, _), w, cos, sin = case["img"], case["weights"], case["cos"], case["sin"]
+
+    def fn(q, k, cos, sin):
+        return qk_norm_rope(q, k, cos, sin, q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-6, tier="torch")[:2]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for got, ref in zip(compiled(q, k, cos, sin), fn(q, k, cos, sin)):
+        assert torch.equal(got, ref)
+    torch._dynamo.reset()

@@ -12,7 +12,11 @@ Usable without any patching::
 q, k (and v) are ``[B, S, H, D]`` views (diffusers' layout after ``unflatten``; any strides with a
 unit-stride head dim, e.g. chunks of a fused QKV projection); the text tensors are
 ``[B, S_txt, H, D]``. ``cos``/``sin`` are fp32 ``[S_txt + S, D]`` with one value per element and
-interleaved pairs (diffusers' FLUX ``FluxPosEmbed`` / ``Flux2PosEmbed`` output). The weights are
+interleaved pairs (diffusers' FLUX ``FluxPosEmbed`` / ``Flux2PosEmbed`` output), rows in the output's
+order (text rows first unless ``text_first=False``), shared by every sample; or per-sample
+``[B, S_txt + S, D]`` (sample ``b`` rotated by ``cos[b]``, ``sin[b]``), where a batch of 1 or a batch
+stride of 0 (``t.expand(B, S_txt + S, D)``) shares one table. cos and sin of one shape, unit-stride last
+dim (other strides free). The weights are
 ``[D]`` RMSNorm weights in the tensors' dtype. Returns new contiguous ``q``, ``k`` and ``v``
 (``[B, S_txt + S, H, D]``); without text tensors ``v`` is returned as given (nothing to concat).
 
@@ -55,8 +59,9 @@ ROUNDINGS = ("once", "each")
 
 
 def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # diffusers.models.embeddings.apply_rotary_emb(use_real=True, use_real_unbind_dim=-1, sequence_dim=1)
-    cos, sin = cos[None, :, None], sin[None, :, None]
+    # diffusers.models.embeddings.apply_rotary_emb(use_real=True, use_real_unbind_dim=-1, sequence_dim=1);
+    # [S, D] tables broadcast over the batch as [S, 1, D], [B or 1, S, D] ones as [B or 1, S, 1, D].
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     x_real, x_imag = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2).unbind(-1)  # not -1: zero-size tensors
     x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
     return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
@@ -184,6 +189,22 @@ def _check_rope_args(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -
     return cos is not None
 
 
+def _check_tables(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, S_all: int) -> None:
+    """fp32 ``[S_all, D]`` or ``[B or 1, S_all, D]`` tables on q's device, of one shape, unit-stride last dim."""
+    B, D = q.shape[0], q.shape[-1]
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != q.device:
+            raise ValueError(f"{name} must be an fp32 tensor on {q.device}")
+        shape = tuple(t.shape)
+        fits = shape == (S_all, D) or (len(shape) == 3 and shape[0] in (1, B) and shape[1:] == (S_all, D))
+        if not fits or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be [S_txt + S, D] = [{S_all}, {D}] or [B, S_txt + S, D] = "
+                             f"[{B}, {S_all}, {D}] (batch 1 or stride 0: one table for all samples) with a "
+                             f"unit-stride last dim, got {shape} with strides {tuple(t.stride())}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+
+
 def _unit_head_dim(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -195,7 +216,8 @@ def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], si
                k_txt_weight: Optional[torch.Tensor] = None) -> tuple:
     """:func:`qk_norm_rope` (text first, ``rounding="once"``; ``eps``: the four floats ``(q, k, q_txt, k_txt)``)
     for a caller that has made its checks: the FLUX ``qk_norm_rope`` pattern (``patches/qk_norm_rope``), which
-    takes this path only for plain tensors of one float dtype and device whose shapes fit, RoPE tables that fit,
+    takes this path only for plain tensors of one float dtype and device whose shapes fit, RoPE tables that fit
+    (``[S_txt + S, D]`` there; ``[B or 1, S_txt + S, D]`` would work too, unchecked like the rest),
     stock RMSNorm weights, no expanded view, and nothing traced or transformed. Skipped: those checks (about
     30 us of Python per call on a 2-core CPU, 57 calls per FLUX.1 step). Kept: what the kernel needs (unit-stride
     head dims, one set of strides per group) and the tier choice (a forced tier, autograd recording)."""
@@ -271,13 +293,8 @@ def qk_norm_rope(
     wq, wk = _check_weight(q_weight, "q_weight", q), _check_weight(k_weight, "k_weight", q)
     wqt = _check_weight(q_txt_weight, "q_txt_weight", q) if joint else None
     wkt = _check_weight(k_txt_weight, "k_txt_weight", q) if joint else None
-    S_all = q.shape[1] + (qt.shape[1] if joint else 0)
-    for t, name in ((cos, "cos"), (sin, "sin")) if rope else ():
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != q.device:
-            raise ValueError(f"{name} must be an fp32 tensor on {q.device}")
-        if tuple(t.shape) != (S_all, q.shape[-1]) or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be [S_txt + S, D] = [{S_all}, {q.shape[-1]}] with a unit-stride "
-                             f"last dim, got {tuple(t.shape)}")
+    if rope:
+        _check_tables(cos, sin, q, q.shape[1] + (qt.shape[1] if joint else 0))
     if v is not None and not isinstance(v, torch.Tensor):
         raise ValueError(f"v must be a torch.Tensor or None, got {type(v).__name__}")
     eps = tuple(_args.number(value, name) for value, name in (

@@ -16,7 +16,10 @@ The "text" group is whichever group comes first in the output (the caller swaps 
 image-first order).
 
 Inputs are 4-D ``[B, S, H, D]`` views with a unit-stride head dim; the image tensors share one set of
-strides and the text tensors another (``ops/_qk_norm_rope.py`` guarantees both).
+strides and the text tensors another (``ops/_qk_norm_rope.py`` guarantees both). The fp32 ``cos``/``sin``
+tables are read at ``b * c_sb + s * c_sr + j`` (output row ``s`` of sample ``b``, element ``j``): ``[S_tot, D]``
+tables (and ``[1, S_tot, D]`` ones) get a batch stride of 0, per-sample ``[B, S_tot, D]`` ones their own (0 too
+where expanded); unit-stride last dim.
 
 This module imports triton: import it only when the Triton tier is used.
 """
@@ -36,7 +39,7 @@ def _qk_norm_rope_kernel(
     wq_ptr, wk_ptr, wqt_ptr, wkt_ptr, cos_ptr, sin_ptr,
     qo_ptr, ko_ptr, vo_ptr,
     S_TXT, S_TOT, H, NHB, eps_q, eps_k, eps_qt, eps_kt,
-    i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sr, s_sr,
+    i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sb, c_sr, s_sb, s_sr,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr, LIBDEVICE: tl.constexpr,
     ROPE: tl.constexpr, EACH: tl.constexpr,
 ):
@@ -93,9 +96,10 @@ def _qk_norm_rope_kernel(
         else:
             n = _round_to((x * rstd[:, None]) * w[None, :], KIND)
         if ROPE:
-            # Interleaved pairs (a, b) = (n[2i], n[2i+1]); rotate(n) = (-b, a); per-element cos/sin rows.
-            cs = tl.load(cos_ptr + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
-            sn = tl.load(sin_ptr + s * s_sr + j, mask=j < D, other=0.0).to(tl.float32)
+            # Interleaved pairs (a, b) = (n[2i], n[2i+1]); rotate(n) = (-b, a); per-element cos/sin rows
+            # (batch stride 0: one table for every sample).
+            cs = tl.load(cos_ptr + b * c_sb + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + b * s_sb + s * s_sr + j, mask=j < D, other=0.0).to(tl.float32)
             ca, cb = tl.split(tl.reshape(cs, [HALF, 2]))
             sa, sb = tl.split(tl.reshape(sn, [HALF, 2]))
             a, bb = tl.split(tl.reshape(n, [BLOCK_H, HALF, 2]))
@@ -114,6 +118,13 @@ kernel_for = for_devices(_qk_norm_rope_kernel)
 _interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (tests)
 
 
+def _table_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(batch stride, row stride) of a ``[S, D]`` or ``[B or 1, S, D]`` table: 0 for the batch of a shared one."""
+    if t.dim() == 2:
+        return 0, t.stride(0)
+    return (t.stride(0) if t.shape[0] != 1 else 0), t.stride(1)
+
+
 def launch(
     q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
     qt: Optional[torch.Tensor], kt: Optional[torch.Tensor], vt: Optional[torch.Tensor],
@@ -123,7 +134,8 @@ def launch(
     q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor], each: bool = False,
 ) -> None:
     """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``.
-    ``cos``/``sin`` None: no RoPE; ``each``: diffusers' RMSNorm rounding (see the module docstring)."""
+    ``cos``/``sin``: ``[S, D]`` or ``[B or 1, S, D]`` (unit-stride last dim), or None: no RoPE; ``each``: diffusers'
+    RMSNorm rounding (see the module docstring)."""
     B, S_img, H, D = q.shape
     S_txt = qt.shape[1] if qt is not None else 0
     S_tot = S_txt + S_img
@@ -145,7 +157,7 @@ def launch(
         S_txt, S_tot, H, nhb, *[float(e) for e in eps],
         q.stride(0), q.stride(1), q.stride(2), txt.stride(0), txt.stride(1), txt.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        cos.stride(0) if rope else 0, sin.stride(0) if rope else 0,
+        *(_table_strides(cos) if rope else (0, 0)), *(_table_strides(sin) if rope else (0, 0)),
     ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
         ROPE=rope, EACH=bool(each),
