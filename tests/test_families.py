@@ -22,7 +22,8 @@ from harness import build_model, tiny_inputs  # noqa: E402
 FAMILIES: Dict[str, Tuple[Tuple[str, ...], FrozenSet[Tuple[str, str]]]] = {
     "flux3": (("Flux3ModeTransformerBlock", "Flux3SingleTransformerBlock", "Flux3AttnProcessor"), frozenset()),
     "qwenimage21": (("QwenImage21TransformerBlock", "QwenImage21AttnProcessor"), frozenset()),
-    "zimage": (("ZImageTransformerBlock", "ZSingleStreamAttnProcessor"), frozenset()),
+    "zimage": (("FinalLayer", "TimestepEmbedder"), frozenset({
+        ("rms_sandwich_block", "ZImageTransformerBlock"), ("zimage_qk_norm_rope", "ZSingleStreamAttnProcessor")})),
     "krea2": (("Krea2TransformerBlock", "Krea2AttnProcessor"), frozenset()),
     # Wan 2.2's class is Wan 2.1's: the Wan patterns target it (their per-token timestep form is their business)
     "wan22-ti2v": (("WanTimeTextImageEmbedding",), frozenset({
@@ -30,7 +31,7 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], FrozenSet[Tuple[str, str]]]] = {
     "hunyuanvideo15": (("HunyuanVideo15TransformerBlock", "HunyuanVideo15AttnProcessor2_0"), frozenset({
         ("adaln", "AdaLayerNormZero"), ("adaln", "AdaLayerNormContinuous"), ("gelu_gemm", "GELU")})),
     "ltx2": (("LTX2VideoTransformerBlock", "LTX2AudioVideoAttnProcessor"), frozenset({("gelu_gemm", "GELU")})),
-    "ideogram4": (("Ideogram4TransformerBlock", "Ideogram4AttnProcessor"), frozenset()),
+    "ideogram4": (("Ideogram4AttnProcessor",), frozenset({("rms_sandwich_block", "Ideogram4TransformerBlock")})),
     "kandinsky6": (("Kandinsky6FusedTransformerDecoderBlock", "Kandinsky6TransformerEncoderBlock",
                     "Kandinsky6AttnProcessor"), frozenset({("gelu_gemm", "GELU")})),
     # Chroma's blocks are its own, its attention processor and position embedder FLUX.1's

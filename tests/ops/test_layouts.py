@@ -23,6 +23,7 @@ from torchpatches.ops import (
     _lora as lora,
     _lse_merge as lse_merge,
     _modulate as modulate,
+    _rms_modulate as rms_modulate,
     _qk_norm_rope as qk_norm_rope,
     _rms_norm_rope as rms_norm_rope,
     _rope as rope,
@@ -101,6 +102,11 @@ def _mod_args(dtype: torch.dtype) -> Args:
                 gate=_randn(B, D, seed=3, dtype=dtype), scale=0.1 * _randn(B, D, seed=4, dtype=dtype),
                 shift=_randn(B, D, seed=5, dtype=dtype), weight=1 + 0.1 * _randn(D, seed=6, dtype=dtype),
                 bias=0.1 * _randn(D, seed=7, dtype=dtype), table_gate=_randn(B, S, D, seed=8, dtype=dtype))
+
+
+def _rms_mod(a: Args, tier: str) -> tuple:
+    return rms_modulate.gate_rms_norm_residual_scale(a["x"], a["gate"], a["y"], a["weight"], a["weight"],
+                                                     1 + a["scale"], tier=tier)
 
 
 def _lnmod(a: Args, tier: str) -> tuple:
@@ -218,6 +224,7 @@ OPS: Dict[str, Tuple[Callable[[torch.dtype], Args], Callable[[Args, str], tuple]
     "gate_residual_layer_norm_modulate": (_mod_args, _gate_res_lnmod, ("x", "gate", "y", "scale", "shift")),
     "residual_layer_norm_modulate": (_mod_args, _res_lnmod, ("x", "y", "scale")),
     "gate_residual_layer_norm": (_mod_args, _gate_res_ln, ("x", "gate", "y", "weight", "bias")),
+    "rms_modulate": (_mod_args, _rms_mod, ("x", "gate", "y", "scale")),
     "swiglu": (_swiglu_args, _swiglu, ("x",)),
     "swiglu two": (_swiglu_two_args, _swiglu_two, ("x", "up")),
     "gelu_tanh_into": (_slices_args, _gelu_into, ("x",)),

@@ -29,6 +29,7 @@ from torchpatches.ops import (
     _linear_gelu as linear_gelu,
     _lse_merge as lse_merge,
     _modulate as modulate,
+    _rms_modulate as rms_modulate,
     _qk_norm_rope as qk_norm_rope,
     _rms_norm_rope as rms_norm_rope,
     _rope as rope,
@@ -132,6 +133,15 @@ def _gate(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return modulate.gate_residual(x, x[:, 0], x * 2, tier=tier)
 
 
+def _rms_mod(x: torch.Tensor, tier: Any) -> torch.Tensor:
+    w = _RMS_W[: x.shape[-1]]  # a constant weight: under vmap and jit.trace only x varies
+    return torch.cat(rms_modulate.gate_rms_norm_residual_scale(x, x[:, 0].tanh(), x * 2, w, w, 1 + x[:, 1] * 0.5,
+                                                              tier=tier))
+
+
+_RMS_W = 1 + 0.1 * _randn(16, seed=7)
+
+
 def _swiglu(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return swiglu.swiglu(x, tier=tier)
 
@@ -178,7 +188,7 @@ def _rope_tables(x: torch.Tensor, tier: Any) -> torch.Tensor:
 
 
 OPS: Dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
-    "layer_norm_modulate": _lnmod, "gate_residual": _gate, "swiglu": _swiglu, "swiglu two": _swiglu_two,
+    "layer_norm_modulate": _lnmod, "gate_residual": _gate, "rms_modulate": _rms_mod, "swiglu": _swiglu, "swiglu two": _swiglu_two,
     "gelu_tanh_into": _gelu_into,
     "qk_norm_rope": _qk, "apply_rope_qk": _rope,
     "rms_norm_rope": _rms_rope, "lse_merge": _lse_merge, "rope_tables": _rope_tables,

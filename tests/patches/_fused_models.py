@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, ContextManager, Dict, Iterable, Iterator, List, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 
@@ -13,12 +13,14 @@ FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "rope_
          "wan_block",
          "wan_qk_norm_rope",
          "qwenimage_block",
-         "qwenimage_qk_norm_rope")
+         "qwenimage_qk_norm_rope",
+         "rms_sandwich_block", "zimage_qk_norm_rope")
 #: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
 MODELS = ("flux1", "flux2",
           "sd3",
           "wan",
-          "qwenimage")
+          "qwenimage",
+          "zimage", "ideogram4")
 #: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
 #: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.
 DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))
@@ -38,7 +40,21 @@ def tiny(name: str, dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module
 
 def run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
     with torch.no_grad():
-        return model(**inputs, return_dict=False)[0]
+        return output(model(**inputs, return_dict=False))
+
+
+def latents(inputs: Dict[str, Any]) -> Tuple[torch.Tensor, Callable[[torch.Tensor], Dict[str, Any]]]:
+    """The latents a forward takes (``hidden_states``; Z-Image's one-sample list ``x``) and how to pass others."""
+    if "hidden_states" in inputs:
+        return inputs["hidden_states"], lambda t: {**inputs, "hidden_states": t}
+    return inputs["x"][0], lambda t: {**inputs, "x": [t]}
+
+
+def output(out: Any) -> torch.Tensor:
+    """A model's ``return_dict=False`` output as one tensor: its first item (Z-Image's: a list of per-sample
+    tensors, stacked)."""
+    first = out[0]
+    return torch.stack(first) if isinstance(first, list) else first
 
 
 def run_hooked(model: torch.nn.Module, inputs: Dict[str, Any], hooks: Iterable[Any],

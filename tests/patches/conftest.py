@@ -24,13 +24,14 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
     from torchpatches.ops import (
         _modulate as modulate,
         _qk_norm_rope as qk_norm_rope,
+        _rms_modulate as rms_modulate,
         _rms_norm_rope as rms_norm_rope,
         _slices as slices,
         _swiglu as swiglu,
     )
 
     counts: Dict[str, int] = collections.Counter()
-    for module in (modulate, qk_norm_rope, swiglu, slices, rms_norm_rope):
+    for module in (modulate, qk_norm_rope, swiglu, slices, rms_norm_rope, rms_modulate):
         real = module._impl
 
         def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = module.__name__, **kwargs: Any):

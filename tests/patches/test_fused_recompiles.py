@@ -20,7 +20,7 @@ import torchpatches
 from torchpatches._doctor.capture import capture
 from torchpatches.ops import force_tier
 
-from _fused_models import FUSED, MODELS, tiny
+from _fused_models import FUSED, MODELS, output, tiny
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def _recompiles(model: torch.nn.Module, inputs: Dict[str, Any], how: str) -> Tup
     try:
         with capture() as events, torch.no_grad():
             call(**inputs, return_dict=False)
-            out = call(**inputs, return_dict=False)[0]
+            out = output(call(**inputs, return_dict=False))
     finally:
         for block in _blocks(model):
             block._compiled_call_impl = None
@@ -56,8 +56,13 @@ def test_recompiles_as_diffusers(name: str, how: str) -> None:
     if how == "regional" and not getattr(model, "_repeated_blocks", None):
         pytest.skip(f"{type(model).__name__} declares no repeated blocks (diffusers refuses its regional compile)")
     with force_tier("torch"):  # the fused paths engage on the CPU: eager code around the compiled blocks runs them
-        with torchpatches.disabled(*FUSED, "rope"):
-            plain, plain_out = _recompiles(model, inputs, how)
+        try:
+            with torchpatches.disabled(*FUSED, "rope"):
+                plain, plain_out = _recompiles(model, inputs, how)
+        except torch._dynamo.exc.Unsupported as error:  # Z-Image's whole model: diffusers' own code does not trace
+            with pytest.raises(type(error)):
+                _recompiles(model, inputs, how)
+            return
         patched, patched_out = _recompiles(model, inputs, how)
     assert len(patched) == len(plain), f"{name} {how}: with torchpatches {patched}, diffusers alone {plain}"
     assert torch.equal(patched_out, plain_out)

@@ -1,5 +1,5 @@
-"""Tiny configs and inputs of the diffusion transformers torchpatches runs but fuses nothing in yet (private; merged
-into ``models.CONFIGS``): FLUX.3, QwenImage 2.1, Z-Image, Krea 2, Wan 2.2 TI2V-5B, HunyuanVideo 1.5, LTX-2,
+"""Tiny configs and inputs of the diffusion transformers added after the first five (private; merged into
+``models.CONFIGS``): FLUX.3, QwenImage 2.1, Z-Image, Krea 2, Wan 2.2 TI2V-5B, HunyuanVideo 1.5, LTX-2,
 Ideogram 4, Kandinsky 6 and HiDream-I1. Chroma, the eleventh family, is ``models``' ``chroma``.
 
 The inputs are what each diffusers 0.42.1 pipeline passes its transformer (``pipelines/<model>/pipeline_*.py``,
@@ -66,6 +66,13 @@ FAMILY_CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         num_attention_heads=2, caption_channels=[8, 8], text_emb_dim=8, num_routed_experts=4, num_activated_experts=2,
         axes_dims_rope=(4, 6, 6), max_resolution=(16, 16), llama_layers=[0, 1])),
 }  # fmt: skip
+#: The fused families' ``<name>-fused`` configs: two main blocks (Z-Image: one modulated noise refiner and one
+#: unmodulated context refiner besides). Pinned on them: the rms_sandwich_block / zimage_qk_norm_rope op call counts
+#: (tests/patches/test_fused_rms_sandwich.py) and every model-level fused test (tests/patches/_fused_models.MODELS).
+FAMILY_CONFIGS.update({
+    "zimage-fused": (FAMILY_CONFIGS["zimage"][0], dict(FAMILY_CONFIGS["zimage"][1], n_layers=2)),
+    "ideogram4-fused": (FAMILY_CONFIGS["ideogram4"][0], dict(FAMILY_CONFIGS["ideogram4"][1], num_layers=2)),
+})
 
 
 def _flux3_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,

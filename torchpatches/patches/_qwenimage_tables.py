@@ -1,4 +1,4 @@
-"""What QwenImage's fused attention processor computes once per step instead of once per block.
+"""What QwenImage's and Z-Image's fused attention processors compute once per step instead of once per block.
 
 Every ``QwenImageTransformerBlock`` of a forward gets the same ``image_rotary_emb`` tuple and the same
 ``encoder_hidden_states_mask`` tensor, and diffusers' processor rebuilds from them, per block, things
@@ -25,7 +25,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["rope_tables", "joint_mask"]
+__all__ = ["rope_tables", "joint_mask", "complex_tables"]
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -82,3 +82,33 @@ def joint_mask(encoder_hidden_states_mask: torch.Tensor, hidden_states: torch.Te
     if versions is not None and not attention_mask.is_inference():
         _MASKS[encoder_hidden_states_mask] = (key, attention_mask, attention_mask._version)
     return attention_mask
+
+
+_COMPLEX: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _batched_freqs_fit(t: Any, device: torch.device, half: int) -> bool:
+    return type(t) is torch.Tensor and t.dtype == torch.complex64 and t.device == device and t.dim() == 3 \
+        and t.shape[2] == half and t.stride(-1) == 1
+
+
+def complex_tables(freqs: Any, rows: int, head_dim: int, device: torch.device
+                   ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Z-Image's per-sample complex frequencies ``[B, S, D/2]`` as ``ops.qk_norm_rope``'s fp32 ``[B, S, D]``
+    ``cos``/``sin`` tables (each value repeated for its interleaved pair), cached per source tensor as
+    :func:`rope_tables`; None if ``freqs`` is not such a complex64 tensor with ``rows`` rows on ``device``."""
+    half = head_dim // 2
+    if not (_batched_freqs_fit(freqs, device, half) and freqs.shape[1] == rows):
+        return None
+    key = _versions(freqs)
+    hit = _COMPLEX.get(freqs) if key is not None else None
+    if hit is not None:
+        versions, tables, tables_version = hit
+        if versions == key and tables._version == tables_version:
+            return tables[0], tables[1]
+    batch = freqs.shape[0]
+    pairs = torch.view_as_real(freqs)  # [B, S, D/2, (re, im)]
+    tables = pairs.permute(3, 0, 1, 2).unsqueeze(-1).expand(2, batch, rows, half, 2).reshape(2, batch, rows, head_dim)
+    if key is not None and not tables.is_inference():
+        _COMPLEX[freqs] = (key, tables, tables._version)
+    return tables[0], tables[1]

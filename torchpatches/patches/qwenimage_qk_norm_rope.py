@@ -51,11 +51,8 @@ When to delete
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
-
 from .._core.declare import Patch, Target
-from ._fused_common import CAT, DROPOUT, LINEAR, fused
+from ._fused_common import CAT, DROPOUT, LINEAR, fused, named_parameters
 
 _BODY = "torchpatches.patches._bodies.qwenimage_qk_norm_rope"
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
@@ -64,36 +61,12 @@ _NORMALIZATION = "diffusers.models.normalization"
 _ASSUMES = (f"{_NORMALIZATION}:RMSNorm.forward",) + CAT + LINEAR + DROPOUT
 
 
-def _named_parameters(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """The replacement with the original's parameters spelled out: diffusers' ``Attention.forward`` passes a
-    processor only the keyword arguments its ``__call__``'s signature names (``encoder_hidden_states_mask``,
-    ``image_rotary_emb``), and reads that signature under ``torch.compile`` too. A real parameter list (not a
-    ``__signature__`` attribute, which Dynamo cannot read without a graph break) keeps both working."""
-
-    def make_named(original: Any) -> Any:
-        # In a tuple: benchmarks/dit.py takes the functions a replacement closes over for its pattern's body,
-        # and fused()'s replacement code is shared by every pattern (this pattern's file still counts).
-        method = (make(original),)
-
-        def __call__(self, attn, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
-                     attention_mask=None, image_rotary_emb=None):
-            return method[0](self, attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
-                             attention_mask, image_rotary_emb)
-
-        functools.update_wrapper(__call__, original, assigned=("__name__", "__qualname__", "__doc__"), updated=())
-        del __call__.__wrapped__  # as fused(): the registry marks it with the original
-        return __call__
-
-    functools.update_wrapper(make_named, make)  # a fused() factory still (benchmarks/dit.py finds patterns so)
-    return make_named
-
-
 PATCH = Patch(
     name="qwenimage_qk_norm_rope",
     summary="QwenImage attention processor: q/k RMSNorm + complex RoPE + text/image concat in one kernel (eager)",
     targets=(
         Target(f"{_QWEN}:QwenDoubleStreamAttnProcessor2_0.__call__",
-               make_replacement=_named_parameters(fused("qwenimage_qk_norm_rope", f"{_BODY}:_processor", _ASSUMES)),
+               make_replacement=named_parameters(fused("qwenimage_qk_norm_rope", f"{_BODY}:_processor", _ASSUMES)),
                fingerprints=frozenset({"6d1be42e5eb224d8"})),  # diffusers 0.42.0, 0.42.1
     ),
     requires={"diffusers": ">=0.42,<0.43", "torch": ">=2.4"},
