@@ -133,7 +133,7 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, roun
         q, k, v, qt, kt, vt, wq, wk, wqt, wkt = qt, kt, vt, q, k, v, wqt, wkt, wq, wk
         eps = (eps[2], eps[3], eps[0], eps[1])
     kernels.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out, each=each,
-                   half=half)
+                   half_split=half)
     return [q_out, k_out, v_out if v_out is not None else v]
 
 

@@ -159,11 +159,11 @@ def launch(
     eps: tuple[float, float, float, float],
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor], each: bool = False,
-    half: bool = False,
+    half_split: bool = False,
 ) -> None:
     """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``.
     ``cos``/``sin``: ``[S, D]`` or ``[B or 1, S, D]`` (unit-stride last dim), or None: no RoPE; ``each``: diffusers'
-    RMSNorm rounding, ``half``: Ideogram 4's half-split RoPE, tables of the output dtype (see the module
+    RMSNorm rounding, ``half_split``: Ideogram 4's half-split RoPE, tables of the output dtype (see the module
     docstring)."""
     B, S_img, H, D = q.shape
     S_txt = qt.shape[1] if qt is not None else 0
@@ -189,6 +189,6 @@ def launch(
         *(_table_strides(cos) if rope else (0, 0)), *(_table_strides(sin) if rope else (0, 0)),
     ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
-        ROPE=rope, EACH=bool(each), HALF_SPLIT=bool(half) and rope,
+        ROPE=rope, EACH=bool(each), HALF_SPLIT=bool(half_split) and rope,
         num_warps=2 if block_h * 2 * half >= 512 else 1,
     ))
