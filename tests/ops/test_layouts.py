@@ -83,6 +83,22 @@ def _qk_sd3(a: Args, tier: str) -> tuple:  # image rows first, no RoPE, diffuser
         tier=tier)
 
 
+def _qk_ideogram_args(dtype: torch.dtype) -> Args:
+    # Ideogram 4's form: self-attention, per-sample [B, S, D] tables of q's dtype, head dim 12 (D / 2 = 6: no
+    # power of two), 3 heads.
+    B, S, H, D = 2, 5, 3, 12
+    angles = _randn(B, S, D, seed=9, dtype=torch.float32) * 5
+    w = lambda seed: 1 + 0.1 * _randn(D, seed=seed, dtype=dtype)  # noqa: E731
+    return dict(q=_randn(B, S, H, D, seed=1, dtype=dtype), k=_randn(B, S, H, D, seed=2, dtype=dtype),
+                cos=angles.cos().to(dtype), sin=angles.sin().to(dtype), q_weight=w(7), k_weight=w(8))
+
+
+def _qk_ideogram(a: Args, tier: str) -> tuple:  # half-split pairs, every op in q's dtype, diffusers' RMSNorm
+    return qk_norm_rope.qk_norm_rope(a["q"], a["k"], a["cos"], a["sin"], q_weight=a["q_weight"],
+                                     k_weight=a["k_weight"], eps_q=1e-6, eps_k=1e-5, rounding="each",
+                                     rope="half_each", tier=tier)[:2]
+
+
 def _wan_args(dtype: torch.dtype) -> Args:
     B, S, H, D = 2, 5, 2, 8
     cos, sin = _tables(S, D)
@@ -217,6 +233,7 @@ OPS: Dict[str, Tuple[Callable[[torch.dtype], Args], Callable[[Args, str], tuple]
                                                  "q_weight", "k_txt_weight")),
     "qk_norm_rope image only": (_qk_args, _qk_image_only, ("q", "k", "cos")),
     "qk_norm_rope sd3": (_qk_args, _qk_sd3, ("q", "k", "v", "q_txt", "k_txt", "v_txt")),
+    "qk_norm_rope ideogram": (_qk_ideogram_args, _qk_ideogram, ("q", "k", "cos", "sin")),
     "rms_norm_rope": (_wan_args, _wan, ("q", "k", "q_weight", "cos", "sin")),
     "layer_norm_modulate": (_mod_args, _lnmod, ("x", "scale", "shift")),
     "gate_residual": (_mod_args, _gate_res, ("x", "gate", "y")),
@@ -348,7 +365,8 @@ def test_layout_matches_plain_call(op: str, arg: str, layout: str) -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("op", ["qk_norm_rope joint", "qk_norm_rope sd3", "rms_norm_rope", "gate_residual_layer_norm"])
+@pytest.mark.parametrize("op", ["qk_norm_rope joint", "qk_norm_rope sd3", "qk_norm_rope ideogram", "rms_norm_rope",
+                                "gate_residual_layer_norm"])
 @pytest.mark.parametrize("layout", ["padded rows", "misaligned"])
 def test_layout_fp32_and_fp16(op: str, layout: str) -> None:
     """fp32 (where a wrong read of padding shows as 1e16 rather than NaN in bf16) and fp16, first argument and the

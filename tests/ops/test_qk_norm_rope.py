@@ -439,3 +439,196 @@ def test_compiles_fullgraph_with_per_sample_tables() -> None:
     for got, ref in zip(compiled(q, k, cos, sin), fn(q, k, cos, sin)):
         assert torch.equal(got, ref)
     torch._dynamo.reset()
+
+
+# ---- Ideogram 4's form: rope="half_each" (half-split pairs, tables and every op in q's dtype, each rounded) ------
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 ``transformer_ideogram4._rotate_half``."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def ideogram_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``Ideogram4AttnProcessor``'s rotation of ``x`` ``[B, L, H, D]`` by ``[B, L, D]`` (or ``[L, D]``) tables of
+    x's dtype: ``cos.unsqueeze(2)`` there, ``unsqueeze(-2)`` here (the same for 3-D tables, and a broadcast over
+    the batch for 2-D ones)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def diffusers_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, rounding: str) -> torch.Tensor:
+    """``normalization.RMSNorm`` (``"each"``: ``round(round(x * rstd) * w)``) or torch.nn.RMSNorm (``"once"``)."""
+    if rounding == "once":
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    n = x * torch.rsqrt(variance + eps)
+    return (n.to(w.dtype) if w.dtype in (torch.float16, torch.bfloat16) else n) * w
+
+
+def ideogram_case(dtype: torch.dtype, tables: str, H: int, D: int, St: int = 0, rounding: str = "each",
+                  seed: int = 11) -> Dict[str, Any]:
+    """A case of ``call``'s form with ``rope="half_each"``: tables of the dtype, ``[S_txt + S, D]`` (``"2d"``) or
+    per-sample ``[B, S_txt + S, D]`` (``"3d"``), angles up to 50 rad."""
+    B, S = 2, 3
+    g = torch.Generator().manual_seed(seed)
+    qkv = lambda s: [(torch.randn(B, s, H, D, generator=g) * 3).to(dtype) for _ in range(3)]  # noqa: E731
+    shape = (S + St, D) if tables == "2d" else (B, S + St, D)
+    angles = torch.rand(*shape, generator=g, dtype=torch.float64) * 50
+    return dict(img=qkv(S), txt=qkv(St) if St else None, dtype=dtype, rounding=rounding, rope="half_each",
+                weights=[(torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(4)],
+                cos=angles.cos().to(dtype), sin=angles.sin().to(dtype))
+
+
+def call_half(case: Dict[str, Any], tier: str, **overrides: Any):
+    """``call`` with the case's ``rope`` (and ``overrides``: other tables, ``rope``)."""
+    case = dict(case, **overrides)
+    (q, k, v), w = case["img"], case["weights"]
+    extra: Dict[str, Any] = {}
+    if case["txt"] is not None:
+        qt, kt, vt = case["txt"]
+        extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3], eps_q_txt=1e-6,
+                     eps_k_txt=1e-5)
+    return qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
+                        rounding=case["rounding"], rope=case["rope"], tier=tier, **extra)
+
+
+def ideogram_reference(case: Dict[str, Any]):
+    """diffusers' expressions op for op: the RMSNorm, then Ideogram 4's rotation (text rows first if any)."""
+    (q, k, v), w, r = case["img"], case["weights"], case["rounding"]
+    q, k = diffusers_rms_norm(q, w[0], 1e-6, r), diffusers_rms_norm(k, w[1], 1e-5, r)
+    if case["txt"] is not None:
+        qt, kt, vt = case["txt"]
+        q = torch.cat([diffusers_rms_norm(qt, w[2], 1e-6, r), q], 1)
+        k = torch.cat([diffusers_rms_norm(kt, w[3], 1e-5, r), k], 1)
+        v = torch.cat([vt, v], 1)
+    return ideogram_rope(q, case["cos"], case["sin"]), ideogram_rope(k, case["cos"], case["sin"]), v
+
+
+#: (dtype, tables, H, D, S_txt, rounding): Ideogram's own form (self-attention, "each") in each dtype with both
+#: table shapes, odd and even head counts, head dims whose half is and is not a power of two; then the option
+#: mixes the op allows (joint rows, rounding="once").
+HALF_EACH = [pytest.param(dtype, tables, H, D, 0, "each", id=f"{str(dtype)[6:]}-{tables}-H{H}-D{D}")
+             for dtype in (torch.bfloat16, torch.float16, torch.float32)
+             for tables in ("2d", "3d")
+             for H, D in ((3, 12), (2, 8))] + [
+    pytest.param(torch.bfloat16, "3d", 3, 8, 2, "each", id="bfloat16-3d-joint"),
+    pytest.param(torch.float16, "2d", 1, 6, 0, "once", id="float16-2d-once"),
+]
+
+
+@pytest.mark.parametrize("dtype, tables, H, D, St, rounding", HALF_EACH)
+def test_half_each_torch_tier_is_ideograms_expression(dtype: torch.dtype, tables: str, H: int, D: int, St: int,
+                                                      rounding: str) -> None:
+    """The PyTorch tier is diffusers' RMSNorm + Ideogram4AttnProcessor's rotation, bit for bit."""
+    case = ideogram_case(dtype, tables, H, D, St, rounding)
+    got, want = call_half(case, "torch"), ideogram_reference(case)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (got[2] is None) if St == 0 else torch.equal(got[2], want[2])
+    if dtype != torch.float32:  # the per-op rounding matters: the fp32 interleaved-style math differs somewhere
+        n = diffusers_rms_norm(case["img"][0], case["weights"][0], 1e-6, rounding)
+        cos, sin = (t[..., St:, :].float().unsqueeze(-2) for t in (case["cos"], case["sin"]))  # the image rows
+        once = (n.float() * cos + rotate_half(n).float() * sin).to(dtype)
+        assert not torch.equal(once, want[0][:, St:])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, tables, H, D, St, rounding", HALF_EACH)
+def test_half_each_triton_tier_rounds_where_torch_does(dtype: torch.dtype, tables: str, H: int, D: int, St: int,
+                                                       rounding: str) -> None:
+    """The kernel's rotation is Ideogram's expression on its own normed values bit for bit (in fp32 too: no fused
+    multiply-add); against the PyTorch tier it differs only where the norm's fp32 statistic does (2 ulps at the
+    head's largest value in bf16 / fp16, 8 in fp32, as the SD3 form)."""
+    case = ideogram_case(dtype, tables, H, D, St, rounding)
+    got, ref = call_half(case, "triton"), call_half(case, "torch")
+    normed = call_half(case, "triton", cos=None, sin=None)  # the kernel's own norm, no RoPE
+    limit = 8.0 if dtype == torch.float32 else 2.0
+    for g, r, n in zip(got[:2], ref[:2], normed[:2]):
+        assert g.shape == r.shape and g.dtype == dtype and g.is_contiguous()
+        assert torch.equal(g, ideogram_rope(n, case["cos"], case["sin"]))
+        assert ulps(g, r, r.abs().amax(-1, keepdim=True)) <= limit
+    assert (got[2] is None) if St == 0 else torch.equal(got[2], ref[2])
+
+
+@needs_triton
+@pytest.mark.parametrize("tier", ["triton", "torch"])
+def test_half_each_per_sample_tables_rotate_each_sample_by_its_own(tier: str) -> None:
+    """[B, S, D] tables of q's dtype: each sample gets what its own [S, D] table gives it alone; an expanded
+    [S, D] table equals the 2-D one."""
+    case = ideogram_case(torch.bfloat16, "3d", 3, 12)
+    outs = call_half(case, tier)
+    for b in range(2):
+        alone = call_half(sample(case, b), tier)
+        for o, a in zip(outs[:2], alone[:2]):
+            assert torch.equal(o[b:b + 1], a)
+    flat = dict(case, cos=case["cos"][1], sin=case["sin"][1])
+    expanded = dict(case, cos=flat["cos"].expand(2, *flat["cos"].shape), sin=flat["sin"].expand(2, *flat["sin"].shape))
+    for o, r in zip(call_half(expanded, tier)[:2], call_half(flat, tier)[:2]):
+        assert torch.equal(o, r)
+
+
+@needs_triton
+@pytest.mark.parametrize("tier", ["triton", "torch"])
+def test_half_each_prechecked_is_the_public_op(tier: str) -> None:
+    """The patches' entry takes ``rounding`` and ``rope`` as the public op does."""
+    from torchpatches.ops._qk_norm_rope import prechecked
+
+    case = ideogram_case(torch.bfloat16, "3d", 3, 12)
+    (q, k, _), w = case["img"], case["weights"]
+    with force_tier(tier):
+        got = prechecked(q, k, case["cos"], case["sin"], w[0], w[1], (1e-6, 1e-5, 1e-6, 1e-5), rounding="each",
+                         rope="half_each")
+    want = call_half(case, tier)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[2] is None
+
+
+def test_interleaved_is_the_default() -> None:
+    """``rope="interleaved"`` spelled out is the call without it, bit for bit."""
+    case = batched_case(2, 3, 2, torch.bfloat16)
+    for o, r in zip(call(dict(case), "torch"), call_half(dict(case, rope="interleaved"), "torch")):
+        assert torch.equal(o, r)
+
+
+def test_half_each_compiles_fullgraph_as_a_custom_op() -> None:
+    """``rope`` goes through the custom op's schema (a string, as ``rounding``) and its fake."""
+    case = ideogram_case(torch.bfloat16, "3d", 3, 12)
+    (q, k, _), w = case["img"], case["weights"]
+
+    def fn(q, k, cos, sin):
+        return qk_norm_rope(q, k, cos, sin, q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5, rounding="each",
+                            rope="half_each", tier="torch")[:2]
+
+    torch._dynamo.reset()
+    args = (q, k, case["cos"], case["sin"])
+    explained = torch._dynamo.explain(fn)(*args)
+    assert explained.graph_break_count == 0
+    assert any("torchpatches.qk_norm_rope" in str(n.target) for g in explained.graphs for n in g.graph.nodes)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for got, ref in zip(compiled(*args), fn(*args)):
+        assert torch.equal(got, ref)
+    torch._dynamo.reset()
+
+
+def _bad_half(case: Dict[str, Any]) -> Dict[str, Any]:
+    """name -> (overrides of ``call_half``, the message): what the op refuses about ``rope``."""
+    cos, sin = case["cos"], case["sin"]
+    odd = dict(case, img=[t[..., :-1] for t in case["img"]], weights=[w[:-1].contiguous() for w in case["weights"]])
+    return {
+        "unknown-form": (dict(rope="half"), r"rope must be one of \('interleaved', 'half_each'\), got 'half'"),
+        "not-a-string": (dict(rope=None), r"rope must be one of"),
+        "fp32-cos": (dict(cos=cos.float()), r"cos must be a tensor of q's dtype torch.bfloat16"),
+        "fp16-sin": (dict(sin=sin.half()), r"sin must be a tensor of q's dtype torch.bfloat16"),
+        "list-cos": (dict(cos=cos.tolist()), r"cos must be a tensor of q's dtype"),
+        "odd-head-dim": (dict(odd, cos=cos[..., :-1], sin=sin[..., :-1]), r"head dim 11 must be even"),
+        "other-rows": (dict(cos=cos[:, :-1], sin=sin[:, :-1]), r"cos must be \[S_txt \+ S, D\]"),
+        "interleaved-bf16-tables": (dict(rope="interleaved"), r"cos must be an fp32 tensor"),
+    }
+
+
+@pytest.mark.parametrize("bad", list(_bad_half(ideogram_case(torch.bfloat16, "3d", 1, 12))))
+def test_half_each_bad_input_raises_naming_it(bad: str) -> None:
+    case = ideogram_case(torch.bfloat16, "3d", 1, 12)
+    overrides, message = _bad_half(case)[bad]
+    with pytest.raises(ValueError, match=message):
+        call_half(case, "torch", **overrides)

@@ -165,6 +165,13 @@ def _qk(x: torch.Tensor, tier: Any) -> torch.Tensor:
                                      tier=tier)[0]
 
 
+def _qk_half(x: torch.Tensor, tier: Any) -> torch.Tensor:  # Ideogram 4's form: tables of q's dtype
+    q = x.reshape(x.shape[0], x.shape[1], 2, -1)
+    return qk_norm_rope.qk_norm_rope(q, q * 2, _COS.to(x.dtype), _SIN.to(x.dtype), q_weight=_W.to(x.dtype),
+                                     k_weight=_W.to(x.dtype), eps_q=1e-6, eps_k=1e-6, rounding="each",
+                                     rope="half_each", tier=tier)[0]
+
+
 def _rms_rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
     w = torch.cat([_W, _W])  # across 2 heads of 8
     return rms_norm_rope.rms_norm_rope(x, x * 2, q_weight=w, k_weight=w, eps_q=1e-6, eps_k=1e-6, cos=_COS, sin=_SIN,
@@ -190,7 +197,7 @@ def _rope_tables(x: torch.Tensor, tier: Any) -> torch.Tensor:
 OPS: Dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
     "layer_norm_modulate": _lnmod, "gate_residual": _gate, "rms_modulate": _rms_mod, "swiglu": _swiglu, "swiglu two": _swiglu_two,
     "gelu_tanh_into": _gelu_into,
-    "qk_norm_rope": _qk, "apply_rope_qk": _rope,
+    "qk_norm_rope": _qk, "qk_norm_rope half_each": _qk_half, "apply_rope_qk": _rope,
     "rms_norm_rope": _rms_rope, "lse_merge": _lse_merge, "rope_tables": _rope_tables,
 }
 
@@ -285,6 +292,9 @@ BAD_ARGUMENTS = {
     "qk_norm_rope eps": (lambda: qk_norm_rope.qk_norm_rope(
         _randn(1, 2, 1, 4), _randn(1, 2, 1, 4), _randn(2, 4), _randn(2, 4), q_weight=_randn(4),
         k_weight=_randn(4), eps_q=None, eps_k=1e-6), "eps_q"),
+    "qk_norm_rope rope": (lambda: qk_norm_rope.qk_norm_rope(
+        _randn(1, 2, 1, 4), _randn(1, 2, 1, 4), _randn(2, 4), _randn(2, 4), q_weight=_randn(4),
+        k_weight=_randn(4), eps_q=1e-6, eps_k=1e-6, rope="half"), "rope"),
 }
 
 

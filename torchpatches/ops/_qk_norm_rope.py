@@ -27,6 +27,11 @@ Options for other models (SD3's ``JointAttnProcessor2_0``):
 - ``rounding="each"``: diffusers' own ``RMSNorm`` (``normalization.RMSNorm``), which rounds ``x * rstd`` to
   the weight's dtype before multiplying by the weight (two roundings); the default ``"once"`` is
   ``torch.nn.RMSNorm``'s fused kernel (``x * rstd * w`` rounded once).
+- ``rope="half_each"``: Ideogram 4's RoPE (``transformer_ideogram4.Ideogram4AttnProcessor``): half-split pairs
+  ``(n[j], n[j + D/2])``, ``rotate_half(n) = cat(-n[D/2:], n[:D/2])``, tables of q's dtype (the model casts
+  them), and ``n * cos + rotate_half(n) * sin`` in q's dtype, every product and the sum rounded on its own
+  (``round(round(n * cos) + round(rotate_half(n) * sin))``). The default ``"interleaved"`` is the fp32 form
+  above. Ideogram's use: ``rounding="each", rope="half_each"``, no text tensors, per-sample ``[B, L, D]`` tables.
 
 Numerics: torch.nn.RMSNorm (fp32 statistics, ``x * rstd * w`` rounded once, as torch's fused kernel)
 followed by diffusers' ``apply_rotary_emb`` (fp32 ``n * cos + rotate(n) * sin``, rounded once).
@@ -49,10 +54,13 @@ from ._runtime import args as _args, dispatch as _dispatch
 from ._runtime.memory import check_no_overlap
 from ._runtime.tiers import choose_tier, force_tier, needs_grad
 
-__all__ = ["qk_norm_rope", "prechecked", "force_tier", "ROUNDINGS"]
+__all__ = ["qk_norm_rope", "prechecked", "force_tier", "ROUNDINGS", "ROPES"]
 
 #: ``"once"``: torch.nn.RMSNorm (one rounding); ``"each"``: diffusers' RMSNorm (``x * rstd`` rounded, then ``* w``).
 ROUNDINGS = ("once", "each")
+#: ``"interleaved"``: pairs ``(n[2i], n[2i+1])``, fp32 tables and math, rounded once (FLUX, QwenImage, Z-Image);
+#: ``"half_each"``: pairs ``(n[j], n[j + D/2])``, tables and every op in q's dtype, each rounded (Ideogram 4).
+ROPES = ("interleaved", "half_each")
 
 
 # ------------------------------------------------------------------------------------------ torch tier
@@ -67,6 +75,19 @@ def _rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    # diffusers.models.transformers.transformer_ideogram4._rotate_half, verbatim.
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_half_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Ideogram4AttnProcessor's expression: tables of x's dtype, every op in that dtype (each one rounds);
+    # [S, D] tables broadcast as [S, 1, D], [B or 1, S, D] ones as [B or 1, S, 1, D] (diffusers' unsqueeze(2)).
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
 def _rms_norm_each(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # diffusers.models.normalization.RMSNorm.forward (weight present, of x's dtype), op for op.
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
@@ -76,7 +97,7 @@ def _rms_norm_each(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return x * w
 
 
-def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, each):
+def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, each, half):
     norm = (lambda x, w, e: _rms_norm_each(x, w, e)) if each else (lambda x, w, e: F.rms_norm(x, (x.shape[-1],), w, e))
     join = (lambda t, i: torch.cat([t, i], dim=1)) if text_first else (lambda t, i: torch.cat([i, t], dim=1))
     q = norm(q, wq, eps[0])
@@ -87,17 +108,20 @@ def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first
         v = join(vt, v)
     if cos is None:
         return [q, k, v]
-    return [_rope_torch(q, cos, sin), _rope_torch(k, cos, sin), v]
+    rot = _rope_half_torch if half else _rope_torch
+    return [rot(q, cos, sin), rot(k, cos, sin), v]
 
 
 # ------------------------------------------------------------------------------------------ dispatch
 
 
-def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, tier) -> list[torch.Tensor]:
+def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, rope,
+          tier) -> list[torch.Tensor]:
     eps = tuple(eps)
     each = rounding == "each"
+    half = rope == "half_each"
     if tier == "torch":
-        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, each)
+        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, each, half)
     kernels = _triton_tier()
     B, S, H, D = q.shape
     S_all = S + (qt.shape[1] if qt is not None else 0)
@@ -108,7 +132,8 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, roun
         # The kernel writes its "first" group's rows first: hand it the image tensors there.
         q, k, v, qt, kt, vt, wq, wk, wqt, wkt = qt, kt, vt, q, k, v, wqt, wkt, wq, wk
         eps = (eps[2], eps[3], eps[0], eps[1])
-    kernels.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out, each=each)
+    kernels.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out, each=each,
+                   half_split=half)
     return [q_out, k_out, v_out if v_out is not None else v]
 
 
@@ -121,16 +146,17 @@ def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]
                      k_txt: Optional[torch.Tensor], v_txt: Optional[torch.Tensor], q_weight: torch.Tensor,
                      k_weight: torch.Tensor, q_txt_weight: Optional[torch.Tensor],
                      k_txt_weight: Optional[torch.Tensor], eps: list[float], cos: Optional[torch.Tensor],
-                     sin: Optional[torch.Tensor], text_first: bool, rounding: str, tier: str) -> list[torch.Tensor]:
+                     sin: Optional[torch.Tensor], text_first: bool, rounding: str, rope: str,
+                     tier: str) -> list[torch.Tensor]:
     outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, tuple(eps),
-                 cos, sin, text_first, rounding, tier)
+                 cos, sin, text_first, rounding, rope, tier)
     # A custom op may not return an input (v without text tensors): hand back a copy when traced.
     return [o.clone() if o is v else o for o in outs if o is not None]
 
 
 @_qk_norm_rope_op.register_fake
 def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, eps, cos, sin, text_first,
-      rounding, tier):
+      rounding, rope, tier):
     B, S, H, D = q.shape
     S_all = S + (q_txt.shape[1] if q_txt is not None else 0)
     n = 3 if v is not None else 2
@@ -189,11 +215,17 @@ def _check_rope_args(cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -
     return cos is not None
 
 
-def _check_tables(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, S_all: int) -> None:
-    """fp32 ``[S_all, D]`` or ``[B or 1, S_all, D]`` tables on q's device, of one shape, unit-stride last dim."""
+def _check_tables(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, S_all: int, rope: str) -> None:
+    """``[S_all, D]`` or ``[B or 1, S_all, D]`` tables on q's device, of one shape, unit-stride last dim; fp32
+    (``rope="interleaved"``) or of q's dtype (``"half_each"``)."""
     B, D = q.shape[0], q.shape[-1]
+    dtype = q.dtype if rope == "half_each" else torch.float32
     for t, name in ((cos, "cos"), (sin, "sin")):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.device != q.device:
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != q.device:
+            if rope == "half_each":
+                got = f"{t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a tensor of q's dtype {q.dtype} on {q.device} with "
+                                 f"rope='half_each' (the model casts its tables), got {got}")
             raise ValueError(f"{name} must be an fp32 tensor on {q.device}")
         shape = tuple(t.shape)
         fits = shape == (S_all, D) or (len(shape) == 3 and shape[0] in (1, B) and shape[1:] == (S_all, D))
@@ -213,8 +245,10 @@ def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], si
                q_weight: torch.Tensor, k_weight: torch.Tensor, eps: tuple, v: Optional[torch.Tensor] = None,
                q_txt: Optional[torch.Tensor] = None, k_txt: Optional[torch.Tensor] = None,
                v_txt: Optional[torch.Tensor] = None, q_txt_weight: Optional[torch.Tensor] = None,
-               k_txt_weight: Optional[torch.Tensor] = None) -> tuple:
-    """:func:`qk_norm_rope` (text first, ``rounding="once"``; ``eps``: the four floats ``(q, k, q_txt, k_txt)``)
+               k_txt_weight: Optional[torch.Tensor] = None, rounding: str = "once",
+               rope: str = "interleaved") -> tuple:
+    """:func:`qk_norm_rope` (text first; ``eps``: the four floats ``(q, k, q_txt, k_txt)``; ``rounding`` and
+    ``rope`` as there, unchecked: one of ``ROUNDINGS`` / ``ROPES``)
     for a caller that has made its checks: the FLUX ``qk_norm_rope`` pattern (``patches/qk_norm_rope``), which
     takes this path only for plain tensors of one float dtype and device whose shapes fit, RoPE tables that fit
     (``[S_txt + S, D]`` there; ``[B or 1, S_txt + S, D]`` would work too, unchecked like the rest),
@@ -232,7 +266,7 @@ def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], si
     tier = choose_tier(q.device.type, None, grad)
     outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight.contiguous(), k_weight.contiguous(),
                  q_txt_weight.contiguous() if joint else None, k_txt_weight.contiguous() if joint else None,
-                 eps, cos, sin, True, "once", tier)
+                 eps, cos, sin, True, rounding, rope, tier)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)
 
 
@@ -257,10 +291,11 @@ def qk_norm_rope(
     eps_k_txt: Optional[float] = None,
     text_first: bool = True,
     rounding: str = "once",
+    rope: str = "interleaved",
     tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """RMSNorm q and k per head, concat text rows in front (or behind: ``text_first=False``) if given,
-    rotate q and k (unless ``cos`` and ``sin`` are None); returns (q, k, v).
+    rotate q and k (unless ``cos`` and ``sin`` are None; ``rope``: the form, one of ``ROPES``); returns (q, k, v).
 
     Raises:
         ValueError: on any input that does not fit, before anything is computed.
@@ -269,9 +304,12 @@ def qk_norm_rope(
     k = _check_4d(k, "k", q)
     if k.shape != q.shape:
         raise ValueError(f"k shape {tuple(k.shape)} differs from q {tuple(q.shape)}")
-    rope = _check_rope_args(cos, sin)
-    if rope and q.shape[-1] % 2:
-        raise ValueError(f"head dim {q.shape[-1]} must be even for interleaved RoPE")
+    if not isinstance(rope, str) or rope not in ROPES:
+        raise ValueError(f"rope must be one of {ROPES}, got {rope!r}")
+    rotates = _check_rope_args(cos, sin)
+    if rotates and q.shape[-1] % 2:
+        form = "half-split" if rope == "half_each" else "interleaved"
+        raise ValueError(f"head dim {q.shape[-1]} must be even for {form} RoPE (rope={rope!r})")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     joint = q_txt is not None
@@ -293,8 +331,8 @@ def qk_norm_rope(
     wq, wk = _check_weight(q_weight, "q_weight", q), _check_weight(k_weight, "k_weight", q)
     wqt = _check_weight(q_txt_weight, "q_txt_weight", q) if joint else None
     wkt = _check_weight(k_txt_weight, "k_txt_weight", q) if joint else None
-    if rope:
-        _check_tables(cos, sin, q, q.shape[1] + (qt.shape[1] if joint else 0))
+    if rotates:
+        _check_tables(cos, sin, q, q.shape[1] + (qt.shape[1] if joint else 0), rope)
     if v is not None and not isinstance(v, torch.Tensor):
         raise ValueError(f"v must be a torch.Tensor or None, got {type(v).__name__}")
     eps = tuple(_args.number(value, name) for value, name in (
@@ -303,5 +341,5 @@ def qk_norm_rope(
     grad = needs_grad(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, cos, sin)
     chosen = choose_tier(q.device.type, tier, grad)
     outs = _dispatch.run(q, grad, _impl, _qk_norm_rope_op, q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos,
-                         sin, bool(text_first), rounding, chosen)
+                         sin, bool(text_first), rounding, rope, chosen)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)

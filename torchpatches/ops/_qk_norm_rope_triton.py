@@ -1,4 +1,5 @@
-"""Triton kernel: per-head RMSNorm of q and k, interleaved RoPE, and the text+image concat, in one launch.
+"""Triton kernel: per-head RMSNorm of q and k, RoPE (interleaved or half-split), and the text+image concat, in
+one launch.
 
 Grid: axis 0 walks the ``B * (S_txt + S_img)`` output tokens, axis 1 walks head blocks of q, then
 of k, then (joint attention) of v. A token below ``S_txt`` reads the text tensors (and the text norm
@@ -11,13 +12,20 @@ Per q/k head (fp32 math, rounding where diffusers rounds):
     n   = round(round(x * rsqrt(mean(x^2) + eps)) * w)   EACH: diffusers' RMSNorm (SD3's q/k norms)
     out = round(n * cos + rotate(n) * sin)               diffusers apply_rotary_emb, interleaved pairs
                                                          (ROPE false: out = n)
+    out = round(round(n * cos) + round(rotate_half(n) * sin))
+                                                         HALF_SPLIT: Ideogram 4's, pairs (j, j + D/2),
+                                                         tables of the output dtype, each op rounded
+
+Half-split pairs are not split out of the padded ``2 * HALF`` block (``D / 2`` need not be a power of two): each
+program loads its row a second time at the partner column ``j +- D/2`` and normalizes it with the same ``rstd``,
+bit for bit the partner's ``n``.
 
 The "text" group is whichever group comes first in the output (the caller swaps the groups for SD3's
 image-first order).
 
 Inputs are 4-D ``[B, S, H, D]`` views with a unit-stride head dim; the image tensors share one set of
-strides and the text tensors another (``ops/_qk_norm_rope.py`` guarantees both). The fp32 ``cos``/``sin``
-tables are read at ``b * c_sb + s * c_sr + j`` (output row ``s`` of sample ``b``, element ``j``): ``[S_tot, D]``
+strides and the text tensors another (``ops/_qk_norm_rope.py`` guarantees both). The ``cos``/``sin``
+tables (fp32, or the output dtype with HALF_SPLIT) are read at ``b * c_sb + s * c_sr + j`` (output row ``s`` of sample ``b``, element ``j``): ``[S_tot, D]``
 tables (and ``[1, S_tot, D]`` ones) get a batch stride of 0, per-sample ``[B, S_tot, D]`` ones their own (0 too
 where expanded); unit-stride last dim.
 
@@ -31,7 +39,7 @@ import torch
 import triton.language as tl
 
 from ._runtime.launch import launch as launch_kernel
-from ._runtime.triton_common import KINDS, _round_to, _rsqrt, _sum_combine, cdiv, for_devices, next_pow2
+from ._runtime.triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_combine, cdiv, for_devices, next_pow2
 
 
 def _qk_norm_rope_kernel(
@@ -41,7 +49,7 @@ def _qk_norm_rope_kernel(
     S_TXT, S_TOT, H, NHB, eps_q, eps_k, eps_qt, eps_kt,
     i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sb, c_sr, s_sb, s_sr,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr, LIBDEVICE: tl.constexpr,
-    ROPE: tl.constexpr, EACH: tl.constexpr,
+    ROPE: tl.constexpr, EACH: tl.constexpr, HALF_SPLIT: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // S_TOT
@@ -56,7 +64,7 @@ def _qk_norm_rope_kernel(
     ty = qo_ptr.dtype.element_ty
     # Source of this token: the first group's rows (text, as torch.cat([txt, img], dim=1)), then the second's.
     if s < S_TXT:
-        src = b * t_sb + s * t_ss + h[:, None] * t_sh + j[None, :]
+        row = b * t_sb + s * t_ss + h * t_sh
         if which == 0:
             x_ptr = qt_ptr
             w_ptr = wqt_ptr
@@ -70,7 +78,7 @@ def _qk_norm_rope_kernel(
             w_ptr = wqt_ptr
             eps = eps_qt
     else:
-        src = b * i_sb + (s - S_TXT) * i_ss + h[:, None] * i_sh + j[None, :]
+        row = b * i_sb + (s - S_TXT) * i_ss + h * i_sh
         if which == 0:
             x_ptr = q_ptr
             w_ptr = wq_ptr
@@ -83,6 +91,7 @@ def _qk_norm_rope_kernel(
             x_ptr = v_ptr
             w_ptr = wq_ptr
             eps = eps_q
+    src = row[:, None] + j[None, :]
     dst = b * o_sb + s * o_ss + h[:, None] * o_sh + j[None, :]
     if which == 2:
         xv = tl.load(x_ptr + src, mask=m, other=0.0)
@@ -95,7 +104,25 @@ def _qk_norm_rope_kernel(
             n = _round_to(_round_to(x * rstd[:, None], KIND) * w[None, :], KIND)
         else:
             n = _round_to((x * rstd[:, None]) * w[None, :], KIND)
-        if ROPE:
+        if ROPE and HALF_SPLIT:
+            # Ideogram 4: rotate_half(n)[j] = -n[j + D/2] (j < D/2), n[j - D/2] (j >= D/2); the partner's n from
+            # a second load of the row (same rstd, same roundings). Tables of the output dtype: exact in fp32.
+            # Each product and the sum rounded on its own, as torch's ops in that dtype; _mul_rn keeps fp32
+            # (KIND 0, no rounding between) from contracting a product and the add into a fused multiply-add.
+            lo = j < D // 2
+            pj = tl.where(lo, j + D // 2, j - D // 2)
+            xp = tl.load(x_ptr + row[:, None] + pj[None, :], mask=m, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + pj, mask=j < D, other=0.0).to(tl.float32)
+            if EACH:
+                npart = _round_to(_round_to(xp * rstd[:, None], KIND) * wp[None, :], KIND)
+            else:
+                npart = _round_to((xp * rstd[:, None]) * wp[None, :], KIND)
+            rot = tl.where(lo[None, :], -npart, npart)
+            cs = tl.load(cos_ptr + b * c_sb + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + b * s_sb + s * s_sr + j, mask=j < D, other=0.0).to(tl.float32)
+            out = _round_to(_round_to(_mul_rn(n, cs[None, :], LIBDEVICE), KIND)
+                            + _round_to(_mul_rn(rot, sn[None, :], LIBDEVICE), KIND), KIND)
+        elif ROPE:
             # Interleaved pairs (a, b) = (n[2i], n[2i+1]); rotate(n) = (-b, a); per-element cos/sin rows
             # (batch stride 0: one table for every sample).
             cs = tl.load(cos_ptr + b * c_sb + s * c_sr + j, mask=j < D, other=0.0).to(tl.float32)
@@ -132,10 +159,12 @@ def launch(
     eps: tuple[float, float, float, float],
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor], each: bool = False,
+    half_split: bool = False,
 ) -> None:
     """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``.
     ``cos``/``sin``: ``[S, D]`` or ``[B or 1, S, D]`` (unit-stride last dim), or None: no RoPE; ``each``: diffusers'
-    RMSNorm rounding (see the module docstring)."""
+    RMSNorm rounding, ``half_split``: Ideogram 4's half-split RoPE, tables of the output dtype (see the module
+    docstring)."""
     B, S_img, H, D = q.shape
     S_txt = qt.shape[1] if qt is not None else 0
     S_tot = S_txt + S_img
@@ -160,6 +189,6 @@ def launch(
         *(_table_strides(cos) if rope else (0, 0)), *(_table_strides(sin) if rope else (0, 0)),
     ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
-        ROPE=rope, EACH=bool(each),
+        ROPE=rope, EACH=bool(each), HALF_SPLIT=bool(half_split) and rope,
         num_warps=2 if block_h * 2 * half >= 512 else 1,
     ))
