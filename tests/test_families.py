@@ -1,10 +1,10 @@
-"""The families torchpatches runs but fuses nothing in yet (FLUX.3, QwenImage 2.1, Z-Image, Krea 2, Wan 2.2 TI2V,
-HunyuanVideo 1.5, LTX-2, Ideogram 4, Kandinsky 6, Chroma, HiDream-I1): the baseline the fusion work starts from.
+"""The families added after the first five (FLUX.3, QwenImage 2.1, Z-Image, Krea 2, Wan 2.2 TI2V, HunyuanVideo 1.5,
+LTX-2, Ideogram 4, Kandinsky 6, Chroma, HiDream-I1), fused (Z-Image, Ideogram 4) or not yet.
 
 Their tiny models (``torchpatches/_harness/families.py``) give bit-identical outputs with and without torchpatches
 on the CPU (no fused path runs there), and ``torchpatches.coverage`` reports, per family, which of its classes a
 pattern targets (shared diffusers modules: Wan's blocks, ``AdaLayerNormZero``, FLUX.1's attention processor) and
-that its own blocks are targeted by none. A family that gains a fused pattern changes its row here.
+which are targeted by none. A family that gains a fused pattern changes its row here.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], FrozenSet[Tuple[str, str]]]] = {
     "flux3": (("Flux3ModeTransformerBlock", "Flux3SingleTransformerBlock", "Flux3AttnProcessor"), frozenset()),
     "qwenimage21": (("QwenImage21TransformerBlock", "QwenImage21AttnProcessor"), frozenset()),
     "zimage": (("FinalLayer", "TimestepEmbedder"), frozenset({
-        ("rms_sandwich_block", "ZImageTransformerBlock"), ("zimage_qk_norm_rope", "ZSingleStreamAttnProcessor")})),
+        ("rms_sandwich_block", "ZImageTransformerBlock"), ("rms_sandwich_qk_norm_rope", "ZSingleStreamAttnProcessor")})),
     "krea2": (("Krea2TransformerBlock", "Krea2AttnProcessor"), frozenset()),
     # Wan 2.2's class is Wan 2.1's: the Wan patterns target it (their per-token timestep form is their business)
     "wan22-ti2v": (("WanTimeTextImageEmbedding",), frozenset({
@@ -31,7 +31,8 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], FrozenSet[Tuple[str, str]]]] = {
     "hunyuanvideo15": (("HunyuanVideo15TransformerBlock", "HunyuanVideo15AttnProcessor2_0"), frozenset({
         ("adaln", "AdaLayerNormZero"), ("adaln", "AdaLayerNormContinuous"), ("gelu_gemm", "GELU")})),
     "ltx2": (("LTX2VideoTransformerBlock", "LTX2AudioVideoAttnProcessor"), frozenset({("gelu_gemm", "GELU")})),
-    "ideogram4": (("Ideogram4AttnProcessor",), frozenset({("rms_sandwich_block", "Ideogram4TransformerBlock")})),
+    "ideogram4": (("Ideogram4MRoPE", "Ideogram4FinalLayer"), frozenset({
+        ("rms_sandwich_block", "Ideogram4TransformerBlock"), ("rms_sandwich_qk_norm_rope", "Ideogram4AttnProcessor")})),
     "kandinsky6": (("Kandinsky6FusedTransformerDecoderBlock", "Kandinsky6TransformerEncoderBlock",
                     "Kandinsky6AttnProcessor"), frozenset({("gelu_gemm", "GELU")})),
     # Chroma's blocks are its own, its attention processor and position embedder FLUX.1's

@@ -14,7 +14,7 @@ FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "rope_
          "wan_qk_norm_rope",
          "qwenimage_block",
          "qwenimage_qk_norm_rope",
-         "rms_sandwich_block", "zimage_qk_norm_rope")
+         "rms_sandwich_block", "rms_sandwich_qk_norm_rope")
 #: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
 MODELS = ("flux1", "flux2",
           "sd3",

@@ -1,4 +1,4 @@
-"""The RMSNorm-sandwich families' eager fusion: rms_sandwich_block (Z-Image, Ideogram 4) and zimage_qk_norm_rope.
+"""The RMSNorm-sandwich families' eager fusion (Z-Image, Ideogram 4): rms_sandwich_block, rms_sandwich_qk_norm_rope.
 
 On the tiny ``zimage-fused`` (2 main blocks, a modulated noise refiner and an unmodulated context refiner; the
 sequence padded to 32 with a mask) and ``ideogram4-fused`` (2 blocks, a segment mask) transformers on the CPU (a
@@ -25,9 +25,9 @@ pytestmark = pytest.mark.usefixtures("fused_on")
 
 #: Fused op calls per forward with every pattern on. Z-Image: three modulated blocks (2 main + the noise refiner)
 #: make 3 rms_modulate and 1 swiglu each; the unmodulated context refiner is diffusers' code; all 4 attention calls
-#: fuse. Ideogram 4: 2 blocks; its attention processor (half-split bf16 RoPE) is not fused.
+#: fuse. Ideogram 4: 2 blocks, each with its attention (half-split bf16 RoPE).
 EXPECTED = {"zimage": {"rms_modulate": 9, "swiglu": 3, "qk_norm_rope": 4},
-            "ideogram4": {"rms_modulate": 6, "swiglu": 2}}
+            "ideogram4": {"rms_modulate": 6, "swiglu": 2, "qk_norm_rope": 2}}
 FAMILIES = sorted(EXPECTED)
 
 try:

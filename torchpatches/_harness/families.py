@@ -67,7 +67,7 @@ FAMILY_CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
         axes_dims_rope=(4, 6, 6), max_resolution=(16, 16), llama_layers=[0, 1])),
 }  # fmt: skip
 #: The fused families' ``<name>-fused`` configs: two main blocks (Z-Image: one modulated noise refiner and one
-#: unmodulated context refiner besides). Pinned on them: the rms_sandwich_block / zimage_qk_norm_rope op call counts
+#: unmodulated context refiner besides). Pinned on them: the rms_sandwich_block / rms_sandwich_qk_norm_rope op call counts
 #: (tests/patches/test_fused_rms_sandwich.py) and every model-level fused test (tests/patches/_fused_models.MODELS).
 FAMILY_CONFIGS.update({
     "zimage-fused": (FAMILY_CONFIGS["zimage"][0], dict(FAMILY_CONFIGS["zimage"][1], n_layers=2)),

@@ -1,6 +1,6 @@
-"""The ``zimage_qk_norm_rope`` patch's replacement code, imported when the registry patches its first target.
+"""The ``rms_sandwich_qk_norm_rope`` patch's replacement code, imported when the registry patches its first target.
 
-Its banner and declaration: ``patches/zimage_qk_norm_rope.py``."""
+Its banner and declaration: ``patches/rms_sandwich_qk_norm_rope.py``."""
 from __future__ import annotations
 
 import sys
@@ -99,3 +99,65 @@ def zimage(self, attn, hidden_states, encoder_hidden_states=None, attention_mask
     if len(to_out) > 1:
         output = dropout(to_out[1], output)
     return output
+
+
+_IDEOGRAM4 = "diffusers.models.transformers.transformer_ideogram4"
+
+
+def _tables_fit(q: torch.Tensor, image_rotary_emb: Any) -> bool:
+    """Ideogram 4's ``(cos, sin)``: plain ``[B, L, D]`` tensors of q's dtype and device (the model casts them)."""
+    if not isinstance(image_rotary_emb, tuple) or len(image_rotary_emb) != 2:
+        return False
+    shape = (q.shape[0], q.shape[1], q.shape[3])
+    return all(type(t) is torch.Tensor and t.dtype == q.dtype and t.device == q.device and tuple(t.shape) == shape
+               for t in image_rotary_emb)
+
+
+def _fused_half(attn: Any, query: torch.Tensor, key: torch.Tensor, image_rotary_emb: Any) -> Optional[tuple]:
+    """(q, k) normalized and rotated (half-split pairs, each op rounding, as Ideogram 4's processor) by the op, or
+    None where a tensor does not fit it."""
+    if type(key) is not torch.Tensor or key.shape != query.shape or key.dtype != query.dtype \
+            or query.shape[-1] % 2 or not _norms_ok(attn, query):
+        return None
+    if not _tables_fit(query, image_rotary_emb):
+        declined("image_rotary_emb is not (cos, sin) [B, L, D] of the activations' dtype")
+        return None
+    from ...ops._qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
+
+    norm_q, norm_k = attn.norm_q, attn.norm_k
+    cos, sin = image_rotary_emb
+    try:
+        q, k, _ = qk_norm_rope(query, key, cos, sin, q_weight=norm_q.weight, k_weight=norm_k.weight, eps_q=norm_q.eps,
+                               eps_k=norm_k.eps, rounding="each", rope="half_each")
+    except ValueError:  # a forced tier that cannot run: checked before computing
+        return None
+    return q, k
+
+
+def ideogram4(self, attn, hidden_states, attention_mask, image_rotary_emb):
+    if not (fusable(hidden_states, (attn,)) and hidden_states.dim() == 3):
+        return FALLBACK
+    module = sys.modules[_IDEOGRAM4]
+    # diffusers 0.42.1 Ideogram4AttnProcessor.__call__, with the q/k stretch fused.
+    query = linear(attn.to_q, hidden_states).unflatten(-1, (attn.num_heads, attn.head_dim))
+    key = linear(attn.to_k, hidden_states).unflatten(-1, (attn.num_heads, attn.head_dim))
+    value = linear(attn.to_v, hidden_states).unflatten(-1, (attn.num_heads, attn.head_dim))
+
+    qk = _fused_half(attn, query, key, image_rotary_emb)
+    if qk is None:
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        cos, sin = image_rotary_emb
+        cos = cos.unsqueeze(2)
+        sin = sin.unsqueeze(2)
+        query = (query * cos) + (module._rotate_half(query) * sin)
+        key = (key * cos) + (module._rotate_half(key) * sin)
+    else:
+        query, key = qk
+
+    hidden_states = module.dispatch_attention_fn(
+        query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+        parallel_config=self._parallel_config,
+    )
+    hidden_states = hidden_states.flatten(2, 3)
+    return linear(attn.to_out[0], hidden_states)
