@@ -28,7 +28,7 @@ call is one ``torchpatches::swiglu_out`` custom op (with a fake; it mutates ``ou
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -113,16 +113,7 @@ def _swiglu_two(x: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor], 
         raise ValueError(f"up {tuple(up.shape)} {up.dtype} on {up.device} must match x {tuple(x.shape)} {x.dtype} "
                          f"on {x.device}")
     x, up = _unit_rows(x, "x"), _unit_rows(up, "up")
-    shape = tuple(x.shape)
-    if out is None:
-        out = x.new_empty(shape)  # new_empty: batched under vmap
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype
-          or out.device != x.device or out.stride(-1) != 1):
-        raise ValueError(f"out must be a {x.dtype} tensor of shape {shape} on {x.device} with a unit-stride "
-                         "last dim")
-    else:
-        _rows(out, "out")
-        check_out(x, out, elementwise_in_place=False, also={"up": up})
+    out = _output(x, out, tuple(x.shape), also={"up": up})
     grad = needs_grad(x, up, out)
     chosen = choose_tier(x.device.type, tier, grad)
     _dispatch.run(x, grad, _impl, _swiglu_op, x, out, chosen, up)  # the PyTorch tier: differentiable through copy_
@@ -148,6 +139,19 @@ def prechecked(x: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _output(x: torch.Tensor, out: Optional[torch.Tensor], shape: tuple, **kwargs: Any) -> torch.Tensor:
+    """``out`` checked against ``shape`` and ``x`` (and ``also``'s tensors: no overlap), or a new one."""
+    if out is None:
+        return x.new_empty(shape)  # new_empty: batched under vmap
+    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or out.dtype != x.dtype
+            or out.device != x.device or out.stride(-1) != 1):
+        raise ValueError(f"out must be a {x.dtype} tensor of shape {tuple(shape)} on {x.device} with a unit-stride "
+                         "last dim")
+    _rows(out, "out")
+    check_out(x, out, elementwise_in_place=False, **kwargs)
+    return out
+
+
 @_dispatch.public
 def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
            tier: Optional[str] = None) -> torch.Tensor:
@@ -170,16 +174,7 @@ def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None, *, out: Optional[
         _rows(x, "x")
     except ValueError:
         x = x.contiguous()
-    shape = (*x.shape[:-1], x.shape[-1] // 2)
-    if out is None:
-        out = x.new_empty(shape)  # new_empty: batched under vmap
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != x.dtype
-          or out.device != x.device or out.stride(-1) != 1):
-        raise ValueError(f"out must be a {x.dtype} tensor of shape {shape} on {x.device} with a unit-stride "
-                         "last dim")
-    else:
-        _rows(out, "out")
-        check_out(x, out, elementwise_in_place=False)
+    out = _output(x, out, (*x.shape[:-1], x.shape[-1] // 2))
     grad = needs_grad(x, out)
     chosen = choose_tier(x.device.type, tier, grad)
     _dispatch.run(x, grad, _impl, _swiglu_op, x, out, chosen)  # the PyTorch tier: differentiable through copy_
