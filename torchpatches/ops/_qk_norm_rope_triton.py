@@ -25,9 +25,9 @@ image-first order).
 
 Inputs are 4-D ``[B, S, H, D]`` views with a unit-stride head dim; the image tensors share one set of
 strides and the text tensors another (``ops/_qk_norm_rope.py`` guarantees both). The ``cos``/``sin``
-tables (fp32, or the output dtype with HALF_SPLIT) are read at ``b * c_sb + s * c_sr + j`` (output row ``s`` of sample ``b``, element ``j``): ``[S_tot, D]``
-tables (and ``[1, S_tot, D]`` ones) get a batch stride of 0, per-sample ``[B, S_tot, D]`` ones their own (0 too
-where expanded); unit-stride last dim.
+tables (fp32, or the output dtype with HALF_SPLIT) are read at ``b * c_sb + s * c_sr + j`` (output row ``s`` of
+sample ``b``, element ``j``): ``[S_tot, D]`` tables (and ``[1, S_tot, D]`` ones) get a batch stride of 0,
+per-sample ``[B, S_tot, D]`` ones their own (0 too where expanded); unit-stride last dim.
 
 This module imports triton: import it only when the Triton tier is used.
 """
