@@ -52,7 +52,8 @@ When to delete
 from __future__ import annotations
 
 from .._core.declare import Patch, Target
-from ._fused_common import CAT, DROPOUT, LINEAR, fused, named_parameters
+from ._named_parameters import named_parameters
+from ._fused_common import CAT, DROPOUT, LINEAR, fused
 
 _BODY = "torchpatches.patches._bodies.qwenimage_qk_norm_rope"
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"

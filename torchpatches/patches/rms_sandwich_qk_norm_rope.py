@@ -32,7 +32,8 @@ When to delete
     When diffusers fuses these processors' q/k norm and RoPE for eager mode.
 """
 from .._core.declare import Patch, Target
-from ._fused_common import DROPOUT, FUSED_REQUIRES, LINEAR, fused, fused_target, named_parameters
+from ._named_parameters import named_parameters
+from ._fused_common import DROPOUT, FUSED_REQUIRES, LINEAR, fused, fused_target
 
 _BODY = "torchpatches.patches._bodies.rms_sandwich_qk_norm_rope"
 _ZIMAGE = "diffusers.models.transformers.transformer_z_image"
