@@ -20,7 +20,7 @@ MODELS = ("flux1", "flux2",
           "sd3",
           "wan",
           "qwenimage",
-          "zimage", "ideogram4")
+          "zimage", "ideogram4", "wan22-ti2v")
 #: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
 #: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.
 DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))

@@ -279,3 +279,49 @@ def test_compile_same_kernels_and_outputs(calls: Dict[str, int], record_property
 
     monkeypatch.setitem(flux.MODELS, "wan", lambda: tiny("wan"))
     flux.test_compile_same_kernels_and_outputs("wan", calls, record_property)
+
+
+# ---- Wan 2.2 TI2V: per-token timesteps --------------------------------------------------------------------
+
+
+#: Per block: norm1 + modulate, the norm3 residual + modulate and the feed-forward's gated residual take their vectors
+#: as two terms (table row + temb chunk, added in the kernel); the gated residual + affine norm2 takes the gate
+#: materialized (one [B, S, D] fp32 vector).
+TI2V_EXPECTED = {"modulate": 8, "modulate two-term": 6, "rms_norm_rope": 4}
+
+
+@pytest.fixture
+def two_term_calls(calls: Dict[str, int], monkeypatch: pytest.MonkeyPatch) -> Dict[str, int]:
+    """``calls``, and how many modulate calls took two-term vectors."""
+    from torchpatches.ops import _modulate
+
+    real = _modulate._impl
+
+    def counting(*args: Any, **kwargs: Any):
+        if kwargs.get("addends") is not None or (len(args) > 10 and args[10] is not None):
+            calls["modulate two-term"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_modulate, "_impl", counting)
+    return calls
+
+
+@pytest.mark.parametrize("tier", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ti2v_per_token_vectors_are_never_materialized(tier: str, dtype: torch.dtype,
+                                                       two_term_calls: Dict[str, int]) -> None:
+    """Wan 2.2 TI2V's ``[B, S, 6, D]`` temb: the kernel adds ``scale_shift_table`` and each chunk in fp32, as
+    diffusers' ``scale_shift_table.unsqueeze(0) + temb.float()`` does; diffusers' values bit for bit with the PyTorch
+    tier, within fp32 ulps (carried through attention) with the kernel."""
+    if tier == "triton":
+        pytest.importorskip("triton")
+    model, inputs = tiny("wan", dtype, config="wan22-ti2v-fused")
+    assert inputs["timestep"].dim() == 2, "per-token timesteps"
+    ref = reverted(model, inputs)
+    with force_tier(tier), torchpatches.disabled("gelu_gemm"):
+        out = run(model, inputs)
+    assert dict(two_term_calls) == TI2V_EXPECTED
+    if tier == "torch" or dtype == torch.bfloat16:
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

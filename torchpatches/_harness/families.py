@@ -68,10 +68,12 @@ FAMILY_CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
 }  # fmt: skip
 #: The fused families' ``<name>-fused`` configs: two main blocks (Z-Image: one modulated noise refiner and one
 #: unmodulated context refiner besides). Pinned on them: the rms_sandwich_block / rms_sandwich_qk_norm_rope op call counts
-#: (tests/patches/test_fused_rms_sandwich.py) and every model-level fused test (tests/patches/_fused_models.MODELS).
+#: (tests/patches/test_fused_rms_sandwich.py; Wan 2.2 TI2V's: test_fused_wan.py) and every model-level fused test
+#: (tests/patches/_fused_models.MODELS).
 FAMILY_CONFIGS.update({
     "zimage-fused": (FAMILY_CONFIGS["zimage"][0], dict(FAMILY_CONFIGS["zimage"][1], n_layers=2)),
     "ideogram4-fused": (FAMILY_CONFIGS["ideogram4"][0], dict(FAMILY_CONFIGS["ideogram4"][1], num_layers=2)),
+    "wan22-ti2v-fused": (FAMILY_CONFIGS["wan22-ti2v"][0], dict(FAMILY_CONFIGS["wan22-ti2v"][1], num_layers=2)),
 })
 
 
@@ -259,4 +261,5 @@ FAMILY_INPUTS: Dict[str, Callable[..., Dict[str, Any]]] = {
     "flux3": _flux3_inputs, "qwenimage21": _qwenimage21_inputs, "zimage": _zimage_inputs, "krea2": _krea2_inputs,
     "wan22-ti2v": _wan22_ti2v_inputs, "hunyuanvideo15": _hunyuanvideo15_inputs, "ltx2": _ltx2_inputs,
     "ideogram4": _ideogram4_inputs, "kandinsky6": _kandinsky6_inputs, "hidream": _hidream_inputs,
+    "wan22-ti2v-fused": _wan22_ti2v_inputs,
 }

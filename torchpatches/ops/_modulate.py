@@ -106,16 +106,21 @@ def _prepare(residual, gate, y, scale, shift, once, affine=False):
 
 def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-          once: bool, tier: str, affine: bool = False) -> list[torch.Tensor]:
+          once: bool, tier: str, affine: bool = False, addends: Optional[tuple] = None) -> list[torch.Tensor]:
     """The op body: [h] (residual only), [out] (norm only) or [h, out]. ``y`` without ``gate``: a plain
-    residual add; ``affine``: ``scale``/``shift`` are a LayerNorm's [D] weight and bias."""
+    residual add; ``affine``: ``scale``/``shift`` are a LayerNorm's [D] weight and bias; ``addends``
+    (``prechecked`` only): the second terms ``(gate2, scale2, shift2)`` of two-term vectors (see there)."""
     if tier == "torch":
+        if addends is not None:  # diffusers: (scale_shift_table + temb.float()), the fp32 sum, then chunked
+            gate, scale, shift = (None if v is None else _modulate_torch.tokens(v) + w.float()
+                                  for v, w in zip((gate, scale, shift), addends))
         h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine)
     else:
         # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time (its arguments are parsed in C++)
         h = torch.empty_like(residual, memory_format=torch.contiguous_format) if y is not None else None
         out = torch.empty_like(residual, memory_format=torch.contiguous_format) if scale is not None else None
-        _triton_tier().launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine)
+        _triton_tier().launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine,
+                              addends=addends)
     return [t for t in (h, out) if t is not None]
 
 
@@ -157,7 +162,7 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affi
 
 def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, *, clip: bool = False,
-               once: bool = False) -> list[torch.Tensor]:
+               once: bool = False, addends: Optional[tuple] = None) -> list[torch.Tensor]:
     """The op (``[h]``, ``[out]`` or ``[h, out]``, as :func:`_impl`) for a caller that has already checked what the
     public entries check: the fusion patterns (``patches/_modulate_calls``), which test the same conditions before
     they choose the fused path. Skipped: the argument checks (plain ``torch.Tensor``s of a served dtype on one
@@ -165,7 +170,12 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
     the ``torch.jit.trace`` / torch.compile / functorch handling (the patterns step aside for all of them) -- tens
     of microseconds of host time per call on a slow host, 191 calls per FLUX.1 step. Kept: everything that decides
     the result without costing much: unit-stride copies, a forced tier, the PyTorch tier when autograd records.
-    Not the affine form. Wrong arguments here are the caller's bug: they may fail inside the kernel."""
+    Not the affine form. Wrong arguments here are the caller's bug: they may fail inside the kernel.
+
+    ``addends`` (``once`` only): ``(gate2, scale2, shift2)``, each vector given (not None) then the fp32 sum of its
+    two terms, added in the kernel as torch adds them: Wan 2.2 TI2V's ``scale_shift_table + temb.float()`` without
+    its ``[B, S, 6, D]`` fp32 tensor. Each term ``[B, D]`` (the table row, expanded: batch stride 0) or ``[B, S, D]``
+    (the per-token temb's chunk, any row strides)."""
     # Unit-stride rows, as _prepare makes them; written out: five calls of a helper cost more than the rest here.
     if residual.stride(-1) != 1:
         residual = residual.contiguous()
@@ -179,8 +189,11 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
         shift = shift.contiguous()
     # Inference runs without grad mode: then nothing else is read.
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (residual, gate, y, scale, shift))
+    if addends is not None:
+        addends = tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in addends)
+        grad = grad or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in addends))
     tier = choose_tier(residual.device.type, None, grad)
-    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier)
+    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, addends)
 
 
 def layer_norm_modulate(

@@ -22,8 +22,12 @@ def gate_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, c
     return _clip_fp16(residual + gate * y, clip)
 
 
-def _tokens(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def tokens(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A ``[B, D]`` vector with its token dim (diffusers' ``[:, None]``); other forms as they are."""
     return v[:, None] if v is not None and v.dim() == 2 else v
+
+
+_tokens = tokens
 
 
 def _clip_fp16(t: torch.Tensor, clip: bool) -> torch.Tensor:

@@ -11,7 +11,8 @@ ROWS token rows per program (``[B, S, D]`` views, last dim unit-stride, any row 
 rounds (each bf16/fp16 op rounds its fp32 result), so outputs match diffusers bit for bit except
 where the LayerNorm statistics (fp32, another summation order) differ in their last bit. With
 ``MID`` = 0 (rounding once, Wan's ``.type_as``) only the stored results are rounded; the vectors may be of any float dtype.
-``gate``, ``scale`` and ``shift`` are ``[B, S or 1, D]`` views (stride 0 over S when shared).
+``gate``, ``scale`` and ``shift`` are ``[B, S or 1, D]`` views (stride 0 over S when shared); with ``TWO_TERM`` each
+is the fp32 sum of two such views (Wan 2.2 TI2V's ``scale_shift_table + temb.float()``, never materialized).
 
 This module imports triton: import it only when the Triton tier is used.
 """
@@ -29,12 +30,14 @@ from ._runtime.triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_comb
 
 
 def _modulate_kernel(
-    res_ptr, gate_ptr, y_ptr, scale_ptr, shift_ptr, h_ptr, out_ptr,
+    res_ptr, gate_ptr, y_ptr, scale_ptr, shift_ptr, h_ptr, out_ptr, gate2_ptr, scale2_ptr, shift2_ptr,
     NROWS, S, D, eps,
     r_sb, r_ss, g_sb, g_ss, y_sb, y_ss, c_sb, c_ss, t_sb, t_ss, h_sb, h_ss, o_sb, o_ss,
+    g2_sb, g2_ss, c2_sb, c2_ss, t2_sb, t2_ss,
     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr, LIBDEVICE: tl.constexpr,
     MID: tl.constexpr, PLAIN: tl.constexpr = False, AFFINE: tl.constexpr = False, HAS_RES: tl.constexpr = False,
+    TWO_TERM: tl.constexpr = False,
 ):
     # ROWS token rows per program, [ROWS, BLOCK_D] tiles. The activations' loads are issued together so
     # their latencies overlap; the modulation vectors (L2 hits shared by every row of a sample) are loaded
@@ -50,6 +53,8 @@ def _modulate_kernel(
     x = tl.load(res_ptr + (b * r_sb + s * r_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_GATE:
         g = tl.load(gate_ptr + (b * g_sb + s * g_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        if TWO_TERM:  # Wan 2.2 TI2V: table + per-token temb, the fp32 add torch makes before chunking
+            g = g + tl.load(gate2_ptr + (b * g2_sb + s * g2_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_RES:
         y = tl.load(y_ptr + (b * y_sb + s * y_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_GATE:
@@ -67,6 +72,11 @@ def _modulate_kernel(
         rstd = _rsqrt(var + eps, LIBDEVICE)
         sc = tl.load(scale_ptr + (b * c_sb + s * c_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + (b * t_sb + s * t_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        if TWO_TERM:
+            sc = sc + tl.load(scale2_ptr + (b * c2_sb + s * c2_ss)[:, None] + d[None, :], mask=m, other=0.0
+                              ).to(tl.float32)
+            sh = sh + tl.load(shift2_ptr + (b * t2_sb + s * t2_ss)[:, None] + d[None, :], mask=m, other=0.0
+                              ).to(tl.float32)
         if AFFINE:  # torch's LayerNorm with weight and bias: fp32 throughout, one rounding
             o = _round_to(xc * rstd[:, None] * sc + sh, KIND)
         else:
@@ -106,7 +116,7 @@ def _rows(t: Optional[torch.Tensor]) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bool, has_res: bool, has_norm: bool,
-                      clip: bool, once: bool, affine: bool) -> Mapping[str, Any]:
+                      clip: bool, once: bool, affine: bool, two_term: bool = False) -> Mapping[str, Any]:
     """The kernel's constexprs and launch options (``ROWS``: rows per program) of one form: built once, not per
     call."""
     cfg = pick_config(block_d, not cuda)
@@ -114,6 +124,7 @@ def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bo
         BLOCK_D=block_d, ROWS=int(cfg["ROWS"]), KIND=KINDS[dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and dtype == torch.float16), LIBDEVICE=cuda, MID=0 if once else KINDS[dtype],
         num_warps=int(cfg["num_warps"]), PLAIN=has_res and not has_gate, AFFINE=affine, HAS_RES=has_res,
+        TWO_TERM=two_term,
     ))
 
 
@@ -130,10 +141,12 @@ def launch(
     clip: bool,
     once: bool = False,
     affine: bool = False,
+    addends: Optional[tuple] = None,
 ) -> None:
     """``residual``, ``y`` and the outputs ``[B, S, D]``, the vectors ``[B, D]`` or ``[B, S or 1, D]``, all
     with a unit-stride last dim (checked by ``ops/_modulate.py``); ``affine``: ``scale``/``shift`` are the
-    LayerNorm's ``[D]`` weight and bias."""
+    LayerNorm's ``[D]`` weight and bias; ``addends``: ``(gate2, scale2, shift2)`` added to the vectors in fp32
+    (``once`` only, every vector given as two terms: Wan 2.2 TI2V's ``scale_shift_table`` and per-token temb)."""
     B, S, D = residual.shape
     if B * S == 0:
         return
@@ -141,7 +154,9 @@ def launch(
     has_res = y is not None
     has_norm = n_out is not None
     cuda = residual.device.type == "cuda"
-    key = (next_pow2(D), residual.dtype, cuda, has_gate, has_res, has_norm, bool(clip), bool(once), bool(affine))
+    two_term = addends is not None
+    key = (next_pow2(D), residual.dtype, cuda, has_gate, has_res, has_norm, bool(clip), bool(once), bool(affine),
+           two_term)
     constexprs = _launch_constants(*key)
     dummy = residual
     h = h_out if h_out is not None else n_out
@@ -152,6 +167,8 @@ def launch(
     launch_kernel(kernel_for(residual.device.type), (-(-(B * S) // constexprs["ROWS"]),), (
         residual, gate if has_gate else dummy, y if has_res else dummy,
         scale if has_norm else dummy, shift if has_norm else dummy, h, o,
+        *((t if t is not None else dummy) for t in (addends or (None, None, None))),
         B * S, S, D, float(eps),
         r_sb, r_ss, *_rows(gate), *_rows(y), *_rows(scale), *_rows(shift), h_sb, h_ss, o_sb, o_ss,
+        *(stride for t in (addends or (None, None, None)) for stride in _rows(t)),
     ), constexprs)
