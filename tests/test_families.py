@@ -1,5 +1,5 @@
 """The families added after the first five (FLUX.3, QwenImage 2.1, Z-Image, Krea 2, Wan 2.2 TI2V, HunyuanVideo 1.5,
-LTX-2, Ideogram 4, Kandinsky 6, Chroma, HiDream-I1), fused (Z-Image, Ideogram 4) or not yet.
+LTX-2, Ideogram 4, Kandinsky 6, Chroma, HiDream-I1), fused (Z-Image, Ideogram 4, HunyuanVideo 1.5) or not yet.
 
 Their tiny models (``torchpatches/_harness/families.py``) give bit-identical outputs with and without torchpatches
 on the CPU (no fused path runs there), and ``torchpatches.coverage`` reports, per family, which of its classes a
@@ -28,7 +28,8 @@ FAMILIES: Dict[str, Tuple[Tuple[str, ...], FrozenSet[Tuple[str, str]]]] = {
     # Wan 2.2's class is Wan 2.1's: the Wan patterns target it (their per-token timestep form is their business)
     "wan22-ti2v": (("WanTimeTextImageEmbedding",), frozenset({
         ("wan_block", "WanTransformerBlock"), ("wan_qk_norm_rope", "WanAttnProcessor"), ("gelu_gemm", "GELU")})),
-    "hunyuanvideo15": (("HunyuanVideo15TransformerBlock", "HunyuanVideo15AttnProcessor2_0"), frozenset({
+    "hunyuanvideo15": (("HunyuanVideo15IndividualTokenRefinerBlock",), frozenset({
+        ("hunyuanvideo15", "HunyuanVideo15TransformerBlock"), ("hunyuanvideo15", "HunyuanVideo15AttnProcessor2_0"),
         ("adaln", "AdaLayerNormZero"), ("adaln", "AdaLayerNormContinuous"), ("gelu_gemm", "GELU")})),
     "ltx2": (("LTX2VideoTransformerBlock", "LTX2AudioVideoAttnProcessor"), frozenset({("gelu_gemm", "GELU")})),
     "ideogram4": (("Ideogram4MRoPE", "Ideogram4FinalLayer"), frozenset({

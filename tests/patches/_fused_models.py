@@ -14,13 +14,14 @@ FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "rope_
          "wan_qk_norm_rope",
          "qwenimage_block",
          "qwenimage_qk_norm_rope",
-         "rms_sandwich_block", "rms_sandwich_qk_norm_rope")
+         "rms_sandwich_block", "rms_sandwich_qk_norm_rope",
+         "hunyuanvideo15")
 #: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
 MODELS = ("flux1", "flux2",
           "sd3",
           "wan",
           "qwenimage",
-          "zimage", "ideogram4", "wan22-ti2v")
+          "zimage", "ideogram4", "wan22-ti2v", "hunyuanvideo15")
 #: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
 #: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.
 DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))

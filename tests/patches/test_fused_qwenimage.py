@@ -22,7 +22,7 @@ from diffusers.models import normalization  # noqa: E402
 from diffusers.models.transformers import transformer_qwenimage as qwen  # noqa: E402
 from harness import build_model, count_kernels, tiny_inputs  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
-from torchpatches.patches import _qwenimage_tables  # noqa: E402
+from torchpatches.patches import _per_step  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 
@@ -235,17 +235,17 @@ def test_new_freqs_and_masks_are_not_served_from_the_cache(calls: Dict[str, int]
     # In place: the cached tables and mask are rebuilt when their sources change.
     freqs = model.pos_embed([(1, 4, 4)], max_txt_seq_len=8, device=DEVICE)
     on = freqs[0].device  # "cuda:0": the tables are made for the device the tensors are on, as the pattern asks
-    cos, _ = _qwenimage_tables.rope_tables(*freqs, 16, 8, 16, on)
+    cos, _ = _per_step.rope_tables(*freqs, 16, 8, 16, on)
     freqs[0].mul_(1j)
-    cos2, sin2 = _qwenimage_tables.rope_tables(*freqs, 16, 8, 16, on)
+    cos2, sin2 = _per_step.rope_tables(*freqs, 16, 8, 16, on)
     assert not torch.equal(cos2[8:], cos[8:]) and torch.equal(cos2[8:, ::2], freqs[0].real)
     assert torch.equal(sin2[8:, 1::2], freqs[0].imag)
     mask = torch.ones(1, 8, dtype=torch.bool, device=DEVICE)
     hidden = torch.zeros(1, 16, 32, device=DEVICE)
-    first = _qwenimage_tables.joint_mask(mask, hidden)
-    assert _qwenimage_tables.joint_mask(mask, hidden) is first  # cached within a step
+    first = _per_step.joint_mask(mask, hidden)
+    assert _per_step.joint_mask(mask, hidden) is first  # cached within a step
     mask[0, 7] = False
-    assert not _qwenimage_tables.joint_mask(mask, hidden)[0, 0, 0, 7]
+    assert not _per_step.joint_mask(mask, hidden)[0, 0, 0, 7]
 
 
 def test_inference_mode_is_served_without_the_cache(calls: Dict[str, int]) -> None:
@@ -261,7 +261,7 @@ def test_inference_mode_is_served_without_the_cache(calls: Dict[str, int]) -> No
         hook.remove()
     img_freqs, mask = seen["image_rotary_emb"][0], seen["encoder_hidden_states_mask"]  # alive: entries would be
     assert img_freqs.is_inference() and mask.is_inference()
-    assert img_freqs not in _qwenimage_tables._TABLES and mask not in _qwenimage_tables._MASKS
+    assert img_freqs not in _per_step._TABLES and mask not in _per_step._MASKS
     assert same(out, ref, "qwenimage") and dict(calls) == EXPECTED
 
 
@@ -269,13 +269,13 @@ def test_cache_entries_die_with_their_tensors() -> None:
     import gc
 
     freqs = (torch.polar(torch.ones(4, 8), torch.rand(4, 8)), torch.polar(torch.ones(2, 8), torch.rand(2, 8)))
-    _qwenimage_tables.rope_tables(*freqs, 4, 2, 16, torch.device("cpu"))
+    _per_step.rope_tables(*freqs, 4, 2, 16, torch.device("cpu"))
     mask = torch.ones(1, 2, dtype=torch.bool)
-    _qwenimage_tables.joint_mask(mask, torch.zeros(1, 4, 8))
-    before = (len(_qwenimage_tables._TABLES), len(_qwenimage_tables._MASKS))
+    _per_step.joint_mask(mask, torch.zeros(1, 4, 8))
+    before = (len(_per_step._TABLES), len(_per_step._MASKS))
     del freqs, mask
     gc.collect()
-    assert (len(_qwenimage_tables._TABLES), len(_qwenimage_tables._MASKS)) == (before[0] - 1, before[1] - 1)
+    assert (len(_per_step._TABLES), len(_per_step._MASKS)) == (before[0] - 1, before[1] - 1)
 
 
 # ---- never in the way ------------------------------------------------------------------------

@@ -74,6 +74,8 @@ FAMILY_CONFIGS.update({
     "zimage-fused": (FAMILY_CONFIGS["zimage"][0], dict(FAMILY_CONFIGS["zimage"][1], n_layers=2)),
     "ideogram4-fused": (FAMILY_CONFIGS["ideogram4"][0], dict(FAMILY_CONFIGS["ideogram4"][1], num_layers=2)),
     "wan22-ti2v-fused": (FAMILY_CONFIGS["wan22-ti2v"][0], dict(FAMILY_CONFIGS["wan22-ti2v"][1], num_layers=2)),
+    "hunyuanvideo15-fused": (FAMILY_CONFIGS["hunyuanvideo15"][0], dict(FAMILY_CONFIGS["hunyuanvideo15"][1],
+                                                                      num_layers=2)),
 })
 
 
@@ -261,5 +263,5 @@ FAMILY_INPUTS: Dict[str, Callable[..., Dict[str, Any]]] = {
     "flux3": _flux3_inputs, "qwenimage21": _qwenimage21_inputs, "zimage": _zimage_inputs, "krea2": _krea2_inputs,
     "wan22-ti2v": _wan22_ti2v_inputs, "hunyuanvideo15": _hunyuanvideo15_inputs, "ltx2": _ltx2_inputs,
     "ideogram4": _ideogram4_inputs, "kandinsky6": _kandinsky6_inputs, "hidream": _hidream_inputs,
-    "wan22-ti2v-fused": _wan22_ti2v_inputs,
+    "wan22-ti2v-fused": _wan22_ti2v_inputs, "hunyuanvideo15-fused": _hunyuanvideo15_inputs,
 }

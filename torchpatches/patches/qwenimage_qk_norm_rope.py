@@ -19,7 +19,7 @@ What the patch changes
     normalizes q and k per head as diffusers' ``RMSNorm`` rounds, rotates them and writes q, k and v
     straight into the joint ``[B, S_txt + S_img, H, D]`` tensors. The complex freqs become the op's
     fp32 ``cos``/``sin`` tables once per step, and the joint mask is built once per step
-    (``_qwenimage_tables``); the PyTorch tier rotates with diffusers' complex multiply instead (Tolerance).
+    (``_per_step``); the PyTorch tier rotates with diffusers' complex multiply instead (Tolerance).
     Everything else runs diffusers' own ``__call__``: ``torch.compile``,
     ``torch.jit.trace``, forward AD and functorch transforms, gradients, autocast, an external
     ``attention_mask`` or no text stream (diffusers raises), no rotary embedding or one that is not two

@@ -13,7 +13,7 @@ What the patch changes
     would), and replaces the stretch in between by ``torchpatches.ops.qk_norm_rope`` with diffusers' RMSNorm
     rounding (``rounding="each"``): one launch normalizes q and k per head and rotates them. Z-Image's complex
     frequencies ``[B, S, D/2]`` become fp32 ``cos``/``sin`` tables ``[B, S, D]`` once per forward (cached per source
-    tensor, ``_qwenimage_tables.complex_tables``; every block gets the same tensor); Ideogram 4's bf16 ``[B, L, D]``
+    tensor, ``_per_step.complex_tables``; every block gets the same tensor); Ideogram 4's bf16 ``[B, L, D]``
     tables are used as they are, with its half-split pairs and per-op rounding (``rope="half_each"``). Everything
     else runs diffusers' own ``__call__``: ``torch.compile``, norms that are not stock diffusers ``RMSNorm`` with a
     weight of the activations' dtype, tables that are not of the form above, gradients, autocast, tensor

@@ -12,7 +12,7 @@ from ..._core.lazy import lazy_module
 from .._fused_common import FALLBACK, dropout, fusable, linear, remembered, stock
 
 # imported at the first fused call: the tables' module is not needed to declare the patch (import cost)
-_tables = lazy_module("torchpatches.patches._qwenimage_tables")
+_tables = lazy_module("torchpatches.patches._per_step")
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
 _NORMALIZATION = "diffusers.models.normalization"
 

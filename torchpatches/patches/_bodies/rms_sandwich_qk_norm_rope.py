@@ -13,7 +13,7 @@ from .._fused_common import FALLBACK, declined, dropout, fusable, linear, rememb
 from .rms_sandwich_block import _plain_rms_norm
 
 _ZIMAGE = "diffusers.models.transformers.transformer_z_image"
-_tables = lazy_module("torchpatches.patches._qwenimage_tables")
+_tables = lazy_module("torchpatches.patches._per_step")
 
 
 def _rotate(x_in: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""HunyuanVideo 1.5's eager fusion: the hunyuanvideo15 pattern (block glue, the attention mask once per step).
+
+On the tiny ``hunyuanvideo15-fused`` transformer (2 blocks, a padded prompt; CPU, a forced tier standing in for the
+GPU): diffusers' values bit for bit with the PyTorch tier, within a bf16 ulp with the kernels; the ``[B, 1, S, S]``
+mask is built once per forward and handed to every block. The step-aside cases run on it through
+``_fused_models.MODELS``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import torchpatches  # noqa: E402
+from _fused_models import reverted, run, tiny  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
+from torchpatches.patches import _per_step  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fused_on")
+
+#: Per block: the two AdaLayerNormZero (adaln), the gated residual + norm2 + modulation and the gated residual per
+#: stream; the model's AdaLayerNormContinuous (norm_out) once.
+EXPECTED = {"modulate": 13}
+
+
+@pytest.fixture
+def masks(monkeypatch: pytest.MonkeyPatch) -> List[torch.Tensor]:
+    seen: List[torch.Tensor] = []
+    real = _per_step.square_mask
+    monkeypatch.setattr(_per_step, "square_mask", lambda *args: seen.append(real(*args)) or seen[-1])
+    return seen
+
+
+@pytest.mark.parametrize("tier", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_path_equals_diffusers(tier: str, dtype: torch.dtype, calls: Dict[str, int],
+                                     masks: List[torch.Tensor]) -> None:
+    if tier == "triton":
+        pytest.importorskip("triton")
+    model, inputs = tiny("hunyuanvideo15", dtype)
+    ref = reverted(model, inputs)
+    assert not calls and not masks
+    with force_tier(tier), torchpatches.disabled("gelu_gemm"):
+        out = run(model, inputs)
+    assert dict(calls) == EXPECTED
+    assert len(masks) == 2 and masks[0] is masks[1], "one mask per forward, every block gets it"
+    if tier == "torch" or dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=0 if tier == "torch" else 1e-5, atol=0 if tier == "torch" else 1e-6)
+    else:  # one bf16 ulp where the fp32 LayerNorm statistics cross a rounding boundary
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_a_new_mask_each_step(calls: Dict[str, int], masks: List[torch.Tensor]) -> None:
+    """Each forward stacks its own text mask: another step (here a prompt one token shorter) gets its own square
+    mask, diffusers' values."""
+    model, inputs = tiny("hunyuanvideo15", torch.float32)
+    mask_name = next(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and v.dtype != torch.float32
+                     and v.dim() == 2)
+    with force_tier("torch"):
+        run(model, inputs)
+        text_mask = inputs[mask_name]
+        text_mask[:, -1] = 0  # the prompt one token shorter, in place
+        ref = reverted(model, inputs)
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    assert len({id(m) for m in masks}) == 2
+
+
+def test_processor_keeps_its_parameters() -> None:
+    """diffusers' Attention passes ``image_rotary_emb`` only to a processor whose signature names it."""
+    import inspect
+
+    from diffusers.models.transformers import transformer_hunyuan_video15 as hv
+
+    tiny("hunyuanvideo15")
+    params = inspect.signature(hv.HunyuanVideo15AttnProcessor2_0.__call__).parameters
+    assert "image_rotary_emb" in params and "attention_mask" in params
+
+
+def test_square_mask_is_rebuilt_after_an_in_place_write() -> None:
+    text = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    first = _per_step.square_mask(text, 7)
+    assert _per_step.square_mask(text, 7) is first
+    assert _per_step.square_mask(text, 8) is not first  # another length
+    text[1, 1] = 1
+    again = _per_step.square_mask(text, 7)
+    assert again is not first and bool(again[1, 0, -2, -2]) and not bool(first[1, 0, -2, -2])
+    with torch.inference_mode():  # no version counter: never cached
+        frozen = torch.tensor([[1, 0]])
+        assert _per_step.square_mask(frozen, 4) is not _per_step.square_mask(frozen, 4)

@@ -1,0 +1,103 @@
+"""The ``hunyuanvideo15`` patch's replacement code, imported when the registry patches its first target.
+
+Its banner and declaration: ``patches/hunyuanvideo15.py``."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..._core.lazy import lazy_module
+from .._fused_common import FALLBACK, dropout, fusable, linear
+from .._modulate_calls import residual, residual_modulated
+
+_HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video15"
+_per_step = lazy_module("torchpatches.patches._per_step")
+
+
+def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
+    if not (encoder_hidden_states is not None and type(attention_mask) is torch.Tensor and attention_mask.dim() == 2
+            and fusable(hidden_states, (attn,), encoder_hidden_states) and hidden_states.dim() == 3):
+        return FALLBACK
+    module = sys.modules[_HUNYUAN]
+    # diffusers 0.42.1 HunyuanVideo15AttnProcessor2_0.__call__, the mask from the per-step cache.
+    query = linear(attn.to_q, hidden_states)
+    key = linear(attn.to_k, hidden_states)
+    value = linear(attn.to_v, hidden_states)
+
+    query = query.unflatten(2, (attn.heads, -1))
+    key = key.unflatten(2, (attn.heads, -1))
+    value = value.unflatten(2, (attn.heads, -1))
+
+    query = attn.norm_q(query)
+    key = attn.norm_k(key)
+
+    if image_rotary_emb is not None:
+        from diffusers.models.embeddings import apply_rotary_emb  # as diffusers imports it, per call
+
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+
+    encoder_query = linear(attn.add_q_proj, encoder_hidden_states)
+    encoder_key = linear(attn.add_k_proj, encoder_hidden_states)
+    encoder_value = linear(attn.add_v_proj, encoder_hidden_states)
+
+    encoder_query = encoder_query.unflatten(2, (attn.heads, -1))
+    encoder_key = encoder_key.unflatten(2, (attn.heads, -1))
+    encoder_value = encoder_value.unflatten(2, (attn.heads, -1))
+
+    if attn.norm_added_q is not None:
+        encoder_query = attn.norm_added_q(encoder_query)
+    if attn.norm_added_k is not None:
+        encoder_key = attn.norm_added_k(encoder_key)
+
+    query = torch.cat([query, encoder_query], dim=1)
+    key = torch.cat([key, encoder_key], dim=1)
+    value = torch.cat([value, encoder_value], dim=1)
+
+    seq_len = query.shape[1]
+    attention_mask = _per_step().square_mask(attention_mask, seq_len)
+
+    hidden_states = module.dispatch_attention_fn(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+        backend=self._attention_backend, parallel_config=self._parallel_config,
+    )
+    hidden_states = hidden_states.flatten(2, 3)
+    hidden_states = hidden_states.to(query.dtype)
+
+    hidden_states, encoder_hidden_states = (
+        hidden_states[:, : -encoder_hidden_states.shape[1]],
+        hidden_states[:, -encoder_hidden_states.shape[1]:],
+    )
+    if getattr(attn, "to_out", None) is not None:
+        hidden_states = linear(attn.to_out[0], hidden_states)
+        hidden_states = dropout(attn.to_out[1], hidden_states)
+    if getattr(attn, "to_add_out", None) is not None:
+        encoder_hidden_states = linear(attn.to_add_out, encoder_hidden_states)
+    return hidden_states, encoder_hidden_states
+
+
+def block(self, hidden_states, encoder_hidden_states, temb, attention_mask=None, freqs_cis=None, *args, **kwargs):
+    if args or kwargs or not (fusable(hidden_states, (self,), encoder_hidden_states, temb)
+                              and hidden_states.dim() == 3 and type(encoder_hidden_states) is torch.Tensor):
+        return FALLBACK
+    # diffusers 0.42.1 HunyuanVideo15TransformerBlock.forward, the glue through the modulate op where it fits.
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
+        encoder_hidden_states, emb=temb
+    )
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+    hidden_states, norm_hidden_states = residual_modulated(self.norm2, hidden_states, gate_msa, attn_output, scale_mlp,
+                                                           shift_mlp, fuse=True)
+    encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
+        self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, fuse=True)
+    ff_output = self.ff(norm_hidden_states)
+    context_ff_output = self.ff_context(norm_encoder_hidden_states)
+    hidden_states = residual(hidden_states, gate_mlp, ff_output, clip=False)
+    encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, context_ff_output, clip=False)
+    return hidden_states, encoder_hidden_states
