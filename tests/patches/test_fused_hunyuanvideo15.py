@@ -91,3 +91,17 @@ def test_square_mask_is_rebuilt_after_an_in_place_write() -> None:
     with torch.inference_mode():  # no version counter: never cached
         frozen = torch.tensor([[1, 0]])
         assert _per_step.square_mask(frozen, 4) is not _per_step.square_mask(frozen, 4)
+
+
+def test_additive_mask_is_what_sdpa_makes_of_the_boolean_one() -> None:
+    """With the native backend the processor hands SDPA the additive mask SDPA would make itself (zeros, -inf where
+    False), built once per step: the same attention, bit for bit."""
+    text = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    square = _per_step.square_mask(text, 6)
+    additive = _per_step.square_mask(text, 6, torch.bfloat16)
+    assert additive.dtype == torch.bfloat16 and _per_step.square_mask(text, 6, torch.bfloat16) is additive
+    assert torch.equal(additive == 0, square) and torch.isinf(additive[~square]).all()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g).to(torch.bfloat16) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert torch.equal(sdpa(q, k, v, attn_mask=additive), sdpa(q, k, v, attn_mask=square))

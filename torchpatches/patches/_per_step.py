@@ -117,12 +117,14 @@ def complex_tables(freqs: Any, rows: int, head_dim: int, device: torch.device
 _SQUARE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def square_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """diffusers 0.42.1 ``HunyuanVideo15AttnProcessor2_0``'s ``[B, 1, S, S]`` self-attention mask from the text mask
-    ``[B, L]`` (padded in front to S), built once per mask tensor and length instead of once per block: at 480p, 121
-    frames, 2.4 GB a block, most of the model's eager time outside attention and GEMMs."""
+    ``[B, L]`` (padded in front to S), built once per mask tensor and length instead of once per block (at 480p, 121
+    frames: 2.4 GB a block). With ``dtype``: the additive mask SDPA makes of a boolean one in every call
+    (``convert_boolean_attn_mask``: zeros of ``dtype``, ``-inf`` where the mask is False), exactly, made once too
+    (4.8 GB a block in bf16); only that form is kept then."""
     versions = _versions(attention_mask)
-    key = (versions, seq_len)
+    key = (versions, seq_len, dtype)
     hit = _SQUARE.get(attention_mask) if versions is not None else None
     if hit is not None:
         cached_key, square, square_version = hit
@@ -135,6 +137,8 @@ def square_mask(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
     self_attn_mask_1 = mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
     self_attn_mask_2 = self_attn_mask_1.transpose(2, 3)
     square = (self_attn_mask_1 & self_attn_mask_2).bool()
+    if dtype is not None:  # ATen's convert_boolean_attn_mask
+        square = torch.zeros_like(square, dtype=dtype).masked_fill_(square.logical_not(), float("-inf"))
     if versions is not None and not square.is_inference():
         _SQUARE[attention_mask] = (key, square, square._version)
     return square

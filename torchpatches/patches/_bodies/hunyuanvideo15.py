@@ -4,6 +4,7 @@ Its banner and declaration: ``patches/hunyuanvideo15.py``."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
@@ -13,6 +14,18 @@ from .._modulate_calls import residual, residual_modulated
 
 _HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video15"
 _per_step = lazy_module("torchpatches.patches._per_step")
+
+
+def _native(processor: Any) -> bool:
+    """The call goes to diffusers' native backend (``torch.nn.functional.scaled_dot_product_attention``, which turns a
+    boolean mask into an additive one in every call) without context parallelism."""
+    if processor._parallel_config is not None:
+        return False
+    backend = processor._attention_backend
+    if backend is None:
+        registry = sys.modules["diffusers.models.attention_dispatch"]._AttentionBackendRegistry
+        backend = registry.get_active_backend()[0]
+    return getattr(backend, "value", backend) == "native"
 
 
 def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
@@ -56,7 +69,7 @@ def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_m
     value = torch.cat([value, encoder_value], dim=1)
 
     seq_len = query.shape[1]
-    attention_mask = _per_step().square_mask(attention_mask, seq_len)
+    attention_mask = _per_step().square_mask(attention_mask, seq_len, query.dtype if _native(self) else None)
 
     hidden_states = module.dispatch_attention_fn(
         query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
