@@ -189,7 +189,7 @@ class Row:
 
     def first(self, device: torch.device) -> None:
         """The first call (a compile for compiled rows, Triton JIT for fused eager ones): its time and output."""
-        with self.context(), torch.inference_mode():
+        with self.context(), grad_off():
             t = time.perf_counter()
             out = self.step()[0]
             if isinstance(out, list):  # one tensor per sample (Z-Image)
@@ -200,7 +200,7 @@ class Row:
             self.output = out.float().clone()
 
     def measure(self, device: torch.device, warmup: int, iters: int, back_to_back: int = 0) -> None:
-        with self.context(), torch.inference_mode():
+        with self.context(), grad_off():
             before = graphs_compiled()
             with _bench.Clocks.window(self.windows):
                 times, host = _bench.time_steps(self.step, device, warmup, iters)
@@ -347,7 +347,7 @@ def run_phases(name: str, rows: List[Row], args: argparse.Namespace, device: tor
 
 
 def _profile_row(row: Row) -> None:
-    with row.context(), torch.inference_mode():
+    with row.context(), grad_off():
         row.profile = _bench.profile(row.step)
 
 
@@ -371,11 +371,11 @@ def run_model(name: str, args: argparse.Namespace, results: Dict[str, Any]) -> N
           f" {entry['params_b']:.2f} B params, built in {entry['build_s']:.1f} s", flush=True)
 
     step = functools.partial(model, **feed)
-    with _bench.state("all"), torch.inference_mode():
+    with _bench.state("all"), grad_off():
         entry["patterns"], entry["coverage_timing"] = pattern_activity(model, feed)
     running = [p for p, a in entry["patterns"].items() if runs(a)]
     print(f"[{name}] fused patterns that run: {', '.join(running) or 'none'}", flush=True)
-    with _bench.state("vanilla"), torch.inference_mode():
+    with _bench.state("vanilla"), grad_off():
         steps = args.steps or auto_steps(step, device, args.round_ms)
     entry["steps_per_round"], entry["rounds"] = steps, args.rounds
 
@@ -612,6 +612,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before each row's round (2; tiny 1)")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--no-grad", action="store_true",
+                        help="steps under torch.no_grad() as diffusers' pipelines run them (default: inference_mode)")
     parser.add_argument("--after-compile", action="store_true",
                         help="compile a 3-op function first: every eager row then runs after a torch.compile")
     parser.add_argument("--back-to-back", type=int, default=0, metavar="N",
@@ -637,8 +639,20 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     return args
 
 
+#: What the steps run under: ``torch.inference_mode()``, or ``torch.no_grad()`` as diffusers' pipelines run
+#: (``--no-grad``; tensors made under inference mode carry no version counter, so torchpatches' per-step caches,
+#: ``patches/_per_step.py``, cannot be used there and each block rebuilds its tables and masks as diffusers does).
+NO_GRAD = False
+
+
+def grad_off() -> Any:
+    return torch.no_grad() if NO_GRAD else torch.inference_mode()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
+    global NO_GRAD
+    NO_GRAD = args.no_grad
     if args.summary:
         summarize(args.summary, args.json, args.plot, args.plot_name)
         return 0
@@ -649,7 +663,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torchpatches
 
     results: Dict[str, Any] = {"versions": _bench.versions(), "command": _bench.command_line(argv),
-                               "after_compile": args.after_compile, "models": {}}
+                               "after_compile": args.after_compile,
+                               "grad": "no_grad" if args.no_grad else "inference_mode", "models": {}}
     forced = contextlib.nullcontext()
     if args.tiny:  # CPU: the patterns run their fused path through the PyTorch tier
         from torchpatches.ops import force_tier
