@@ -22,8 +22,8 @@ from torchpatches.patches import _per_step  # noqa: E402
 pytestmark = pytest.mark.usefixtures("fused_on")
 
 #: Per block: the two AdaLayerNormZero (adaln), the gated residual + norm2 + modulation and the gated residual per
-#: stream; the model's AdaLayerNormContinuous (norm_out) once.
-EXPECTED = {"modulate": 13}
+#: stream; the model's AdaLayerNormContinuous (norm_out) once. One qk_norm_rope per attention call.
+EXPECTED = {"modulate": 13, "qk_norm_rope": 2}
 
 
 @pytest.fixture

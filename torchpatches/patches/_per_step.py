@@ -25,7 +25,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["rope_tables", "joint_mask", "complex_tables", "square_mask"]
+__all__ = ["rope_tables", "joint_mask", "complex_tables", "square_mask", "image_rows_tables"]
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -142,3 +142,29 @@ def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torc
     if versions is not None and not square.is_inference():
         _SQUARE[attention_mask] = (key, square, square._version)
     return square
+
+
+_IMAGE_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def image_rows_tables(cos: Any, sin: Any, text_rows: int, device: torch.device
+                      ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """HunyuanVideo 1.5's fp32 RoPE tables ``[S_img, D]`` extended to its joint ``[image; text]`` rows: identity rows
+    (cos 1, sin 0) for the text, which diffusers leaves unrotated (``x * 1 + rotate(x) * 0`` is ``x`` in fp32, up to
+    the sign of a zero). Cached per source table as :func:`rope_tables`; None if the tables are not fp32 ``[S, D]``
+    of one shape on ``device``."""
+    if not (type(cos) is torch.Tensor and type(sin) is torch.Tensor and cos.dtype == sin.dtype == torch.float32
+            and cos.dim() == 2 and cos.shape == sin.shape and cos.device == sin.device == device):
+        return None
+    key = (_versions(cos, sin), text_rows)
+    hit = _IMAGE_ROWS.get(cos) if key[0] is not None else None
+    if hit is not None:
+        sin_ref, cached_key, tables, tables_version = hit
+        if sin_ref() is sin and cached_key == key and tables._version == tables_version:
+            return tables[0], tables[1]
+    width = cos.shape[1]
+    tables = torch.stack([torch.cat([cos, cos.new_ones(text_rows, width)]),
+                          torch.cat([sin, sin.new_zeros(text_rows, width)])])
+    if key[0] is not None and not tables.is_inference():
+        _IMAGE_ROWS[cos] = (weakref.ref(sin), key, tables, tables._version)
+    return tables[0], tables[1]

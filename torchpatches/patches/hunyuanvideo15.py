@@ -1,5 +1,5 @@
-"""hunyuanvideo15: HunyuanVideo 1.5's blocks and attention processor: the adaLN-Zero glue in four kernels, the
-attention mask built once per step (eager).
+"""hunyuanvideo15: HunyuanVideo 1.5's blocks and attention processor: the adaLN-Zero glue in four kernels, q/k
+RMSNorm + RoPE + concat in one, the attention mask built once per step (eager).
 
 What goes wrong upstream
     ``HunyuanVideo15AttnProcessor2_0`` builds the ``[B, 1, S, S]`` self-attention mask from the text mask in every
@@ -9,19 +9,24 @@ What goes wrong upstream
     residuals, the second LayerNorm and its modulation as separate eager ops per stream.
 
 What the patch changes
-    The processor runs diffusers' code (projections as module calls, LoRA layers and hooks keep working; q/k norms,
-    RoPE, concat and attention as diffusers does) with the mask taken from a per-step cache (``_per_step.square_mask``:
-    built by diffusers' own lines the first time, keyed by the text-mask tensor, its version and the length).
+    The processor runs the projections (module calls: LoRA layers and hooks keep working) and the attention call as
+    diffusers does; between them ``ops.qk_norm_rope`` normalizes the four q/k streams (diffusers' RMSNorm rounding),
+    rotates the image rows (the text rows get identity RoPE rows, ``_per_step.image_rows_tables``) and writes the
+    joint ``[image; text]`` q, k, v in one launch. The mask comes from a per-step cache (``_per_step.square_mask``:
+    built by diffusers' own lines the first time, keyed by the text-mask tensor, its version and the length; with the
+    native backend, the additive mask SDPA would make of it). Under ``torch.inference_mode()`` nothing is cached
+    (inference tensors carry no version counter) and each block builds its tables and mask, as diffusers does.
     The block's ``forward`` calls the adaLN norms (the ``adaln`` pattern's), attention and feed-forwards as modules and
     fuses ``x + gate * attn`` with ``norm2(x) * (1 + scale) + shift`` per stream (``ops.gate_residual_layer_norm_modulate``)
     and ``x + gate * ff`` (``ops.gate_residual``). Everything else runs diffusers' own code: ``torch.compile``,
     gradients, autocast, tensor subclasses, CPU tensors, norms that are not stock ``nn.LayerNorm`` without affine
-    parameters, extra block arguments, a replaced global (``dispatch_attention_fn``, ``F.pad``, ``F.layer_norm``).
+    parameters or stock diffusers ``RMSNorm`` (q/k), extra block arguments, a replaced global (``dispatch_attention_fn``,
+    ``F.pad``, ``F.layer_norm``, ``apply_rotary_emb``, ``RMSNorm.forward``).
 
 Tolerance
-    The mask is diffusers' (the same code, once). The glue rounds where diffusers rounds; the LayerNorm statistics are
-    fp32 in another summation order: one ulp of the norm's output where that crosses a rounding boundary
-    (``ops/_modulate.py``).
+    The mask is diffusers' (the same code, once). The glue and the q/k stretch round where diffusers rounds; the norm
+    statistics are fp32 in another summation order: one ulp of a norm's output where that crosses a rounding
+    boundary (``ops/_modulate.py``, ``ops/_qk_norm_rope.py``). A text row's zero may change sign (``x * 1 + 0``).
 
 Versions
     diffusers 0.42.x (fingerprints verified on 0.42.1); torch >= 2.4.
@@ -42,7 +47,9 @@ PATCH = Patch(
     targets=(  # fingerprints: diffusers 0.42.1
         # named_parameters: diffusers' Attention passes image_rotary_emb only to a __call__ whose signature names it.
         Target(f"{_HUNYUAN}:HunyuanVideo15AttnProcessor2_0.__call__", named_parameters(fused(
-            "hunyuanvideo15", f"{_BODY}:processor", LINEAR + DROPOUT + CAT + ("torch.nn.functional:pad",))),
+            "hunyuanvideo15", f"{_BODY}:processor", LINEAR + DROPOUT + CAT + (
+                "torch.nn.functional:pad", "diffusers.models.embeddings:apply_rotary_emb",
+                "diffusers.models.normalization:RMSNorm.forward"))),
             frozenset({"63ffc6f3bff820e2"})),
         fused_target("hunyuanvideo15", f"{_HUNYUAN}:HunyuanVideo15TransformerBlock.forward", f"{_BODY}:block",
                      "6d413009884f0fcb", LAYER_NORM),

@@ -4,16 +4,18 @@ Its banner and declaration: ``patches/hunyuanvideo15.py``."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ..._core.lazy import lazy_module
-from .._fused_common import FALLBACK, dropout, fusable, linear
+from .._fused_common import FALLBACK, declined, dropout, fusable, linear, remembered
 from .._modulate_calls import residual, residual_modulated
+from .rms_sandwich_block import _plain_rms_norm
 
 _HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video15"
 _per_step = lazy_module("torchpatches.patches._per_step")
+_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
 def _native(processor: Any) -> bool:
@@ -26,6 +28,61 @@ def _native(processor: Any) -> bool:
         registry = sys.modules["diffusers.models.attention_dispatch"]._AttentionBackendRegistry
         backend = registry.get_active_backend()[0]
     return getattr(backend, "value", backend) == "native"
+
+
+def _norms_ok(attn: Any, q: torch.Tensor) -> bool:
+    def check() -> bool:
+        return all(_plain_rms_norm(attn._modules.get(name), q) for name in _NORMS)
+
+    if remembered(attn, (q.dtype, q.device, q.shape[-1]), check, _NORMS):
+        return True
+    declined("a q/k norm is not a stock diffusers RMSNorm with a weight of the input's dtype and no bias")
+    return False
+
+
+def _fused_qkv(attn: Any, image: tuple, text: tuple, image_rotary_emb: Any) -> Optional[tuple]:
+    """The joint ``[image; text]`` q, k, v normalized (diffusers' RMSNorm rounding) and the image rows rotated, in one
+    launch of ``ops.qk_norm_rope`` (the text rows get identity RoPE rows), or None where a tensor does not fit."""
+    q = image[0]
+    if any(type(t) is not torch.Tensor or t.dtype != q.dtype or t.dim() != 4 for t in image + text) \
+            or q.shape[-1] % 2 or not isinstance(image_rotary_emb, (tuple, list)) or len(image_rotary_emb) != 2 \
+            or not _norms_ok(attn, q):
+        return None
+    tables = _per_step().image_rows_tables(*image_rotary_emb, text[0].shape[1], q.device)
+    if tables is None or tables[0].shape != (q.shape[1] + text[0].shape[1], q.shape[-1]):
+        declined("image_rotary_emb is not fp32 (cos, sin) [S, D] of the image's rows")
+        return None
+    from ...ops._qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
+
+    modules = attn._modules
+    norm_q, norm_k, norm_added_q, norm_added_k = (modules[name] for name in _NORMS)
+    try:
+        return qk_norm_rope(image[0], image[1], *tables, q_weight=norm_q.weight, k_weight=norm_k.weight,
+                            eps_q=norm_q.eps, eps_k=norm_k.eps, v=image[2], q_txt=text[0], k_txt=text[1],
+                            v_txt=text[2], q_txt_weight=norm_added_q.weight, k_txt_weight=norm_added_k.weight,
+                            eps_q_txt=norm_added_q.eps, eps_k_txt=norm_added_k.eps, text_first=False,
+                            rounding="each")
+    except ValueError:  # a forced tier that cannot run, shapes the op refuses: checked before computing
+        return None
+
+
+def _diffusers_qkv(attn: Any, image: tuple, text: tuple, image_rotary_emb: Any) -> tuple:
+    """diffusers 0.42.1's code for the same stretch."""
+    query, key, value = image
+    encoder_query, encoder_key, encoder_value = text
+    query = attn.norm_q(query)
+    key = attn.norm_k(key)
+    if image_rotary_emb is not None:
+        from diffusers.models.embeddings import apply_rotary_emb  # as diffusers imports it, per call
+
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    if attn.norm_added_q is not None:
+        encoder_query = attn.norm_added_q(encoder_query)
+    if attn.norm_added_k is not None:
+        encoder_key = attn.norm_added_k(encoder_key)
+    return (torch.cat([query, encoder_query], dim=1), torch.cat([key, encoder_key], dim=1),
+            torch.cat([value, encoder_value], dim=1))
 
 
 def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
@@ -42,15 +99,6 @@ def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_m
     key = key.unflatten(2, (attn.heads, -1))
     value = value.unflatten(2, (attn.heads, -1))
 
-    query = attn.norm_q(query)
-    key = attn.norm_k(key)
-
-    if image_rotary_emb is not None:
-        from diffusers.models.embeddings import apply_rotary_emb  # as diffusers imports it, per call
-
-        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
     encoder_query = linear(attn.add_q_proj, encoder_hidden_states)
     encoder_key = linear(attn.add_k_proj, encoder_hidden_states)
     encoder_value = linear(attn.add_v_proj, encoder_hidden_states)
@@ -59,14 +107,12 @@ def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_m
     encoder_key = encoder_key.unflatten(2, (attn.heads, -1))
     encoder_value = encoder_value.unflatten(2, (attn.heads, -1))
 
-    if attn.norm_added_q is not None:
-        encoder_query = attn.norm_added_q(encoder_query)
-    if attn.norm_added_k is not None:
-        encoder_key = attn.norm_added_k(encoder_key)
-
-    query = torch.cat([query, encoder_query], dim=1)
-    key = torch.cat([key, encoder_key], dim=1)
-    value = torch.cat([value, encoder_value], dim=1)
+    qkv = _fused_qkv(attn, (query, key, value), (encoder_query, encoder_key, encoder_value), image_rotary_emb)
+    if qkv is None:
+        query, key, value = _diffusers_qkv(attn, (query, key, value), (encoder_query, encoder_key, encoder_value),
+                                           image_rotary_emb)
+    else:
+        query, key, value = qkv
 
     seq_len = query.shape[1]
     attention_mask = _per_step().square_mask(attention_mask, seq_len, query.dtype if _native(self) else None)
