@@ -168,3 +168,32 @@ def test_processors_keep_the_originals_parameters(family: str, processor: str) -
     assert list(inspect.signature(call).parameters) == list(inspect.signature(original).parameters)
     assert [p.default for p in inspect.signature(call).parameters.values()] == \
         [p.default for p in inspect.signature(original).parameters.values()]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_zimage_omni_per_token_modulation(tier: str, calls: Dict[str, int]) -> None:
+    """Z-Image omni (ZImageOmniPipeline): a clean condition image and the noisy target in one sequence, SigLIP
+    features, per-token vectors from ``select_per_token`` (``[B, S, D]``): the same fused op, diffusers' values."""
+    from _fused_models import output
+    from diffusers import ZImageTransformer2DModel
+    from harness import CONFIGS
+
+    torch.manual_seed(0)
+    model = ZImageTransformer2DModel(**dict(CONFIGS["zimage-fused"][1], siglip_feat_dim=8)).eval().to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    inputs = dict(x=[[randn(4, 1, 8, 8), randn(4, 1, 8, 8)]], t=torch.tensor([0.5], device=DEVICE),
+                  cap_feats=[[randn(5, 16), randn(3, 16)]], siglip_feats=[[randn(2, 2, 8), None]],
+                  image_noise_mask=[[0, 1]])
+    with torchpatches.disabled(*FUSED, "rope"), torch.no_grad():
+        ref = output(model(**inputs, return_dict=False))
+    with force_tier(tier), torch.no_grad():
+        out = output(model(**inputs, return_dict=False))
+    assert calls["rms_modulate"] == EXPECTED["zimage"]["rms_modulate"]
+    if tier == "torch":
+        assert torch.equal(out, ref)
+    else:
+        _close(out, ref)
