@@ -24,7 +24,8 @@ pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, MODELS, latents, output, reverted, run, tiny  # noqa: E402
-from diffusers.models import normalization  # noqa: E402
+from diffusers.models import embeddings, normalization  # noqa: E402
+from diffusers.models.transformers import transformer_ideogram4  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
 from torchpatches.ops._modulate import force_tier  # noqa: E402
 
@@ -218,6 +219,15 @@ REBINDS = {
     "torch.cat": ("flux1", torch, "cat", lambda real: lambda tensors, dim=0: real(list(tensors), dim=dim) + 1),
     "wan F.layer_norm": ("wan", torch.nn.functional, "layer_norm", _half_layer_norm),
     "wan F.rms_norm": ("wan", torch.nn.functional, "rms_norm", _half_layer_norm),
+    "wan22-ti2v F.layer_norm": ("wan22-ti2v", torch.nn.functional, "layer_norm", _half_layer_norm),
+    "zimage RMSNorm.forward": ("zimage", normalization.RMSNorm, "forward", _half_layer_norm),
+    "ideogram4 F.silu": ("ideogram4", torch.nn.functional, "silu", lambda real: lambda x, inplace=False: real(x) * 0.5),
+    "ideogram4 _rotate_half": ("ideogram4", transformer_ideogram4, "_rotate_half", lambda real: lambda x: real(x) * 0.5),
+    "hunyuanvideo15 apply_rotary_emb": ("hunyuanvideo15", embeddings, "apply_rotary_emb", lambda real: _identity_rope),
+    # a pad of another value: the mask's image positions masked out
+    "hunyuanvideo15 F.pad": ("hunyuanvideo15", torch.nn.functional, "pad",
+                             lambda real: lambda x, pad, mode="constant", value=None: real(
+                                 x, pad, mode, False if value is True else value)),
 }
 
 
