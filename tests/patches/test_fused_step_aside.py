@@ -260,3 +260,19 @@ def test_globals_put_back_fuse_again(monkeypatch: pytest.MonkeyPatch, calls: Dic
     with force_tier("torch"):
         assert torch.equal(run(model, inputs), reverted(model, inputs))
     assert calls["qk_norm_rope"] == 3
+
+
+@pytest.mark.parametrize("which", MODELS)
+def test_training_gets_diffusers_code(which: str, calls: Dict[str, int]) -> None:
+    """Parameters that want gradients (training, a LoRA being trained): every fused pattern hands the call back."""
+    model, inputs = tiny(which)
+    model.requires_grad_(True)
+    try:
+        with torch.enable_grad(), force_tier("torch"):
+            got = output(model(**inputs, return_dict=False))
+        with torch.enable_grad(), torchpatches.disabled(*FUSED, "rope"):
+            ref = output(model(**inputs, return_dict=False))
+    finally:
+        model.requires_grad_(False)
+    assert got.requires_grad and torch.equal(got.detach(), ref.detach())
+    assert not calls, dict(calls)
