@@ -119,6 +119,26 @@ def test_status_is_read_from_what_is_bound(target) -> None:
     assert "someone else" in status.reason or "not in effect" in status.reason
 
 
+def test_revert_under_a_users_function_gives_aliases_the_original(make_module: Callable[..., str], target) -> None:
+    """A user's function at the target (a mock) while the patch is reverted (``disabled()``): the target keeps the
+    user's function, the aliases get the original they imported, as without torchpatches (not the user's function,
+    which they would keep after the mock is undone); applying again patches the target and the aliases."""
+    name, fingerprint = target
+    module = sys.modules[name]
+    original = module.greet
+    alias = importlib.import_module(make_module(f"from {name} import greet\n", prefix="tp_alias"))
+    registry = Registry([_patch(name, fingerprint, aliases=(f"{alias.__name__}:greet",))])
+    registry.apply()
+    replacement = module.greet
+    assert alias.greet is replacement
+    with unittest.mock.patch.object(module, "greet", lambda who: "mocked"):
+        registry.revert()
+        assert module.greet("a") == "mocked" and alias.greet is original
+    assert module.greet is replacement  # the mock undone: it put back what it found
+    registry.apply()
+    assert alias.greet("a") == "HELLO A" and _state(registry) is PatchState.APPLIED
+
+
 # ---- a second registry (what reload(torchpatches) makes) ----------------------------------------
 
 

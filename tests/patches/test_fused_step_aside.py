@@ -223,6 +223,9 @@ REBINDS = {
     "zimage RMSNorm.forward": ("zimage", normalization.RMSNorm, "forward", _half_layer_norm),
     "ideogram4 F.silu": ("ideogram4", torch.nn.functional, "silu", lambda real: lambda x, inplace=False: real(x) * 0.5),
     "ideogram4 _rotate_half": ("ideogram4", transformer_ideogram4, "_rotate_half", lambda real: lambda x: real(x) * 0.5),
+    # the rope patch's own target, where HunyuanVideo 1.5's processor reads it: reverted (reverted()) under the user's
+    # function, the rope patch must leave FLUX's alias of it the original, not the user's function (tests after this
+    # one once found FLUX without RoPE)
     "hunyuanvideo15 apply_rotary_emb": ("hunyuanvideo15", embeddings, "apply_rotary_emb", lambda real: _identity_rope),
     # a pad of another value: the mask's image positions masked out
     "hunyuanvideo15 F.pad": ("hunyuanvideo15", torch.nn.functional, "pad",

@@ -296,6 +296,7 @@ class Slot:
         """
         module = sys.modules.get(self.target.module)
         live_owner: Any = None
+        foreign = False  # someone else's object at the target: not what an alias of ours should get
         if module is not None:
             try:
                 live_owner, attribute, current, owned = find(module, self.target.path)
@@ -309,6 +310,7 @@ class Slot:
                 else:
                     setattr(live_owner, attribute, original)
             elif current is not self.original and self.replacement is not None:
+                foreign = True
                 logger.warning(
                     "torchpatches: %s was replaced again by someone else after it was patched; leaving that in place",
                     self.target.path,
@@ -328,8 +330,10 @@ class Slot:
                 continue
             held = getattr(alias_module, alias_attribute, _MISSING)
             if held is self.replacement or is_marked(held, self.target.path, self.patch.name):
+                # Without torchpatches an alias keeps the original it imported: a user's function set at the target
+                # later (a mock, a monkeypatch undone after this revert) never reached it.
                 setattr(alias_module, alias_attribute,
-                        restored if restored is not _MISSING
+                        restored if restored is not _MISSING and not foreign
                         and not is_marked(restored, self.target.path, self.patch.name)
                         else self.original)
         if self.token is not None:
