@@ -27,8 +27,42 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["rope_tables", "joint_mask", "complex_tables", "square_mask", "image_rows_tables"]
 
-_TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+class _PerSource:
+    """Results cached per source tensor: weakly keyed (an entry lives as long as its source), rebuilt when the key
+    differs (it holds the sources' version counters and the other inputs), the cached result was written in place,
+    or a second source it was built from (``partner``) is another tensor. A key of None (an inference tensor among
+    the sources: no version counter) is never cached."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries = WeakIdKeyDictionary()
+
+    def get(self, source: torch.Tensor, key: Any, partner: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        if key is None:
+            return None
+        hit = self._entries.get(source)
+        if hit is None:
+            return None
+        partner_ref, cached_key, result, version = hit
+        if cached_key != key or result._version != version or (partner_ref is not None and partner_ref() is not partner):
+            return None
+        return result
+
+    def __contains__(self, source: Any) -> bool:
+        return source in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, source: torch.Tensor, key: Any, result: torch.Tensor,
+            partner: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if key is not None and not result.is_inference():
+            self._entries[source] = (None if partner is None else weakref.ref(partner), key, result, result._version)
+        return result
+
+
+_TABLES, _MASKS, _COMPLEX, _SQUARE, _IMAGE_ROWS = (_PerSource() for _ in range(5))
 
 
 def _versions(*tensors: torch.Tensor) -> Optional[Tuple[int, ...]]:
@@ -36,6 +70,11 @@ def _versions(*tensors: torch.Tensor) -> Optional[Tuple[int, ...]]:
     if any(t.is_inference() for t in tensors):
         return None
     return tuple(t._version for t in tensors)
+
+
+def _with(versions: Optional[tuple], *others: Any) -> Any:
+    """A cache key: the sources' versions and the other inputs, or None (never cached) without versions."""
+    return None if versions is None else (versions, *others)
 
 
 def _freqs_fit(t: Any, device: torch.device, half: int) -> bool:
@@ -52,39 +91,27 @@ def rope_tables(img_freqs: Any, txt_freqs: Any, s_img: int, s_txt: int, head_dim
             and img_freqs.shape[0] == s_img and txt_freqs.shape[0] == s_txt):
         return None
     key = _versions(img_freqs, txt_freqs)
-    hit = _TABLES.get(img_freqs) if key is not None else None
-    if hit is not None:
-        txt_ref, versions, tables, tables_version = hit
-        if txt_ref() is txt_freqs and versions == key and tables._version == tables_version:
-            return tables[0], tables[1]
-    pairs = torch.view_as_real(torch.cat([txt_freqs, img_freqs], dim=0))  # [S, D/2, (re, im)]
-    # [(cos, sin), S, D/2, pair]: each of Re / Im repeated for the two elements of its pair, in one copy.
-    tables = pairs.permute(2, 0, 1).unsqueeze(-1).expand(2, s_txt + s_img, half, 2).reshape(2, -1, head_dim)
-    if key is not None and not tables.is_inference():
-        _TABLES[img_freqs] = (weakref.ref(txt_freqs), key, tables, tables._version)
+    tables = _TABLES.get(img_freqs, key, txt_freqs)
+    if tables is None:
+        pairs = torch.view_as_real(torch.cat([txt_freqs, img_freqs], dim=0))  # [S, D/2, (re, im)]
+        # [(cos, sin), S, D/2, pair]: each of Re / Im repeated for the two elements of its pair, in one copy.
+        tables = _TABLES.put(img_freqs, key, pairs.permute(2, 0, 1).unsqueeze(-1).expand(2, s_txt + s_img, half, 2)
+                             .reshape(2, -1, head_dim), txt_freqs)
     return tables[0], tables[1]
 
 
 def joint_mask(encoder_hidden_states_mask: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
     """diffusers 0.42.1 ``QwenDoubleStreamAttnProcessor2_0``'s joint attention mask, built once per mask."""
     seq_img = hidden_states.shape[1]
-    versions = _versions(encoder_hidden_states_mask)
-    key = (versions, hidden_states.shape[0], seq_img, hidden_states.device)
-    hit = _MASKS.get(encoder_hidden_states_mask) if versions is not None else None
-    if hit is not None:
-        versions, joint, joint_version = hit
-        if versions == key and joint._version == joint_version:
-            return joint
-    # diffusers' own code, verbatim:
-    image_mask = torch.ones((hidden_states.shape[0], seq_img), dtype=torch.bool, device=hidden_states.device)
-    attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)
-    attention_mask = attention_mask[:, None, None, :]
-    if versions is not None and not attention_mask.is_inference():
-        _MASKS[encoder_hidden_states_mask] = (key, attention_mask, attention_mask._version)
+    key = _with(_versions(encoder_hidden_states_mask), hidden_states.shape[0], seq_img, hidden_states.device)
+    attention_mask = _MASKS.get(encoder_hidden_states_mask, key)
+    if attention_mask is None:
+        # diffusers' own code, verbatim:
+        image_mask = torch.ones((hidden_states.shape[0], seq_img), dtype=torch.bool, device=hidden_states.device)
+        attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)
+        attention_mask = attention_mask[:, None, None, :]
+        _MASKS.put(encoder_hidden_states_mask, key, attention_mask)
     return attention_mask
-
-
-_COMPLEX: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _batched_freqs_fit(t: Any, device: torch.device, half: int) -> bool:
@@ -101,20 +128,13 @@ def complex_tables(freqs: Any, rows: int, head_dim: int, device: torch.device
     if not (_batched_freqs_fit(freqs, device, half) and freqs.shape[1] == rows):
         return None
     key = _versions(freqs)
-    hit = _COMPLEX.get(freqs) if key is not None else None
-    if hit is not None:
-        versions, tables, tables_version = hit
-        if versions == key and tables._version == tables_version:
-            return tables[0], tables[1]
-    batch = freqs.shape[0]
-    pairs = torch.view_as_real(freqs)  # [B, S, D/2, (re, im)]
-    tables = pairs.permute(3, 0, 1, 2).unsqueeze(-1).expand(2, batch, rows, half, 2).reshape(2, batch, rows, head_dim)
-    if key is not None and not tables.is_inference():
-        _COMPLEX[freqs] = (key, tables, tables._version)
+    tables = _COMPLEX.get(freqs, key)
+    if tables is None:
+        batch = freqs.shape[0]
+        pairs = torch.view_as_real(freqs)  # [B, S, D/2, (re, im)]
+        tables = _COMPLEX.put(freqs, key, pairs.permute(3, 0, 1, 2).unsqueeze(-1).expand(2, batch, rows, half, 2)
+                              .reshape(2, batch, rows, head_dim))
     return tables[0], tables[1]
-
-
-_SQUARE: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -123,13 +143,10 @@ def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torc
     frames: 2.4 GB a block). With ``dtype``: the additive mask SDPA makes of a boolean one in every call
     (``convert_boolean_attn_mask``: zeros of ``dtype``, ``-inf`` where the mask is False), exactly, made once too
     (4.8 GB a block in bf16); only that form is kept then."""
-    versions = _versions(attention_mask)
-    key = (versions, seq_len, dtype)
-    hit = _SQUARE.get(attention_mask) if versions is not None else None
-    if hit is not None:
-        cached_key, square, square_version = hit
-        if cached_key == key and square._version == square_version:
-            return square
+    key = _with(_versions(attention_mask), seq_len, dtype)
+    square = _SQUARE.get(attention_mask, key)
+    if square is not None:
+        return square
     # diffusers' own code, verbatim:
     batch_size = attention_mask.shape[0]
     mask = torch.nn.functional.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True)
@@ -139,12 +156,7 @@ def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torc
     square = (self_attn_mask_1 & self_attn_mask_2).bool()
     if dtype is not None:  # ATen's convert_boolean_attn_mask
         square = torch.zeros_like(square, dtype=dtype).masked_fill_(square.logical_not(), float("-inf"))
-    if versions is not None and not square.is_inference():
-        _SQUARE[attention_mask] = (key, square, square._version)
-    return square
-
-
-_IMAGE_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    return _SQUARE.put(attention_mask, key, square)
 
 
 def image_rows_tables(cos: Any, sin: Any, text_rows: int, device: torch.device
@@ -156,15 +168,10 @@ def image_rows_tables(cos: Any, sin: Any, text_rows: int, device: torch.device
     if not (type(cos) is torch.Tensor and type(sin) is torch.Tensor and cos.dtype == sin.dtype == torch.float32
             and cos.dim() == 2 and cos.shape == sin.shape and cos.device == sin.device == device):
         return None
-    key = (_versions(cos, sin), text_rows)
-    hit = _IMAGE_ROWS.get(cos) if key[0] is not None else None
-    if hit is not None:
-        sin_ref, cached_key, tables, tables_version = hit
-        if sin_ref() is sin and cached_key == key and tables._version == tables_version:
-            return tables[0], tables[1]
-    width = cos.shape[1]
-    tables = torch.stack([torch.cat([cos, cos.new_ones(text_rows, width)]),
-                          torch.cat([sin, sin.new_zeros(text_rows, width)])])
-    if key[0] is not None and not tables.is_inference():
-        _IMAGE_ROWS[cos] = (weakref.ref(sin), key, tables, tables._version)
+    key = _with(_versions(cos, sin), text_rows)
+    tables = _IMAGE_ROWS.get(cos, key, sin)
+    if tables is None:
+        width = cos.shape[1]
+        tables = _IMAGE_ROWS.put(cos, key, torch.stack([torch.cat([cos, cos.new_ones(text_rows, width)]),
+                                                        torch.cat([sin, sin.new_zeros(text_rows, width)])]), sin)
     return tables[0], tables[1]
