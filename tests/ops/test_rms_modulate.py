@@ -139,7 +139,8 @@ def test_bad_input_raises_value_error(kwargs: Dict[str, Any], message: str) -> N
         (dict(y=None), "y must be a torch.Tensor"),
         (dict(gate=None), "gate must be a torch.Tensor"),
         (dict(gate=torch.randn(3, 4)), r"\[B, D\]"),
-        (dict(weight=torch.ones(4, dtype=torch.bfloat16)), "y_weight is torch.bfloat16"),
+        (dict(weight=torch.ones(4, dtype=torch.bfloat16)), "^weight is torch.bfloat16"),
+        (dict(weight=torch.ones(5)), r"^weight must be a \[4\]"),
     ],
 )
 def test_bad_residual_input_raises_value_error(kwargs: Dict[str, Any], message: str) -> None:

@@ -103,7 +103,7 @@ def _weight(w: torch.Tensor, name: str, ref: torch.Tensor) -> torch.Tensor:
 
 
 @_dispatch.public
-def _run(residual, gate, y, y_weight, weight, scale, eps_y, eps, tier):
+def _run(residual, gate, y, y_weight, weight, scale, eps_y, eps, tier, y_names=("y_weight", "y_eps")):
     residual = _rows(residual, "x" if y is None else "residual")
     if y is not None:
         y = _rows(y, "y")
@@ -113,8 +113,8 @@ def _run(residual, gate, y, y_weight, weight, scale, eps_y, eps, tier):
         if gate is None:
             raise ValueError("gate must be a torch.Tensor, got None")
         gate = _vector(gate, "gate", residual, False)
-        y_weight = _weight(y_weight, "y_weight", residual)
-        eps_y = _args.number(eps_y, "y_eps")
+        y_weight = _weight(y_weight, y_names[0], residual)  # named as the public function names it
+        eps_y = _args.number(eps_y, y_names[1])
     if weight is not None:
         if scale is None:
             raise ValueError("scale must be a torch.Tensor, got None")
@@ -165,7 +165,7 @@ def gate_rms_norm_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.
     """``residual + gate * RMSNorm(y)`` (``gate`` broadcast over tokens), rounded where diffusers rounds."""
     if not isinstance(y, torch.Tensor):
         raise ValueError(f"y must be a torch.Tensor, got {type(y).__name__}")
-    return _run(residual, gate, y, weight, None, None, eps, None, tier)[0]
+    return _run(residual, gate, y, weight, None, None, eps, None, tier, ("weight", "eps"))[0]
 
 
 def gate_rms_norm_residual_scale(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor,
