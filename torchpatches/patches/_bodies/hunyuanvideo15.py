@@ -9,9 +9,9 @@ from typing import Any, Optional
 import torch
 
 from ..._core.lazy import lazy_module
-from .._fused_common import FALLBACK, declined, dropout, fusable, linear, remembered
+from .._diffusers_norms import diffusers_rms_norms_fit
+from .._fused_common import FALLBACK, declined, dropout, fusable, linear
 from .._modulate_calls import residual, residual_modulated
-from .rms_sandwich_block import _plain_rms_norm
 
 _HUNYUAN = "diffusers.models.transformers.transformer_hunyuan_video15"
 _per_step = lazy_module("torchpatches.patches._per_step")
@@ -30,23 +30,13 @@ def _native(processor: Any) -> bool:
     return getattr(backend, "value", backend) == "native"
 
 
-def _norms_ok(attn: Any, q: torch.Tensor) -> bool:
-    def check() -> bool:
-        return all(_plain_rms_norm(attn._modules.get(name), q) for name in _NORMS)
-
-    if remembered(attn, (q.dtype, q.device, q.shape[-1]), check, _NORMS):
-        return True
-    declined("a q/k norm is not a stock diffusers RMSNorm with a weight of the input's dtype and no bias")
-    return False
-
-
 def _fused_qkv(attn: Any, image: tuple, text: tuple, image_rotary_emb: Any) -> Optional[tuple]:
     """The joint ``[image; text]`` q, k, v normalized (diffusers' RMSNorm rounding) and the image rows rotated, in one
     launch of ``ops.qk_norm_rope`` (the text rows get identity RoPE rows), or None where a tensor does not fit."""
     q = image[0]
     if any(type(t) is not torch.Tensor or t.dtype != q.dtype or t.dim() != 4 for t in image + text) \
             or q.shape[-1] % 2 or not isinstance(image_rotary_emb, (tuple, list)) or len(image_rotary_emb) != 2 \
-            or not _norms_ok(attn, q):
+            or not diffusers_rms_norms_fit(attn, q, _NORMS):
         return None
     tables = _per_step().image_rows_tables(*image_rotary_emb, text[0].shape[1], q.device)
     if tables is None or tables[0].shape != (q.shape[1] + text[0].shape[1], q.shape[-1]):

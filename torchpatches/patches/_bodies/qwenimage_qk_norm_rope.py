@@ -9,39 +9,20 @@ from typing import Any, Optional
 import torch
 
 from ..._core.lazy import lazy_module
-from .._fused_common import FALLBACK, dropout, fusable, linear, remembered, stock
+from .._diffusers_norms import diffusers_rms_norms_fit
+from .._fused_common import FALLBACK, dropout, fusable, linear
 
 # imported at the first fused call: the tables' module is not needed to declare the patch (import cost)
 _tables = lazy_module("torchpatches.patches._per_step")
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
-_NORMALIZATION = "diffusers.models.normalization"
-
-
-def _rms_norm_fits(norm: Any, x: torch.Tensor) -> bool:
-    """A stock diffusers ``RMSNorm(head_dim)`` with a weight of x's dtype and no bias (its non-NPU path)."""
-    cls = sys.modules[_NORMALIZATION].RMSNorm
-    w = getattr(norm, "weight", None)
-    return (
-        stock(norm, cls)
-        and norm.bias is None
-        and tuple(norm.dim) == (x.shape[-1],)
-        and type(w) in (torch.Tensor, torch.nn.Parameter)
-        and w.dtype == x.dtype
-        and w.device == x.device
-        and isinstance(norm.eps, (int, float))
-    )
 
 
 _NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
 def _norms_fit(attn: Any, x: torch.Tensor) -> bool:
-    """The four q/k norms fit x: decided once per attention module and x's dtype, device and head dim while
-    the norms are the same objects in the same state (``remembered``)."""
-    def check() -> bool:
-        return all(_rms_norm_fits(getattr(attn, name), x) for name in _NORMS)
-
-    return remembered(attn, (x.dtype, x.device, x.shape[-1]), check, _NORMS)
+    """The four q/k norms fit x (decided once per attention module and x's signature)."""
+    return diffusers_rms_norms_fit(attn, x, _NORMS)
 
 
 def _mask_fits(mask: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor) -> bool:

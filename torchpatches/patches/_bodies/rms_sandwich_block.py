@@ -12,7 +12,8 @@ import torch
 
 from ..._core.gates import fingerprint
 from ..._core.lazy import lazy_module
-from .._fused_common import FALLBACK, declined, fusable, linear, remembered, stock
+from .._diffusers_norms import diffusers_rms_norms_fit
+from .._fused_common import FALLBACK, declined, fusable, linear, stock
 from .._modulate_calls import _rows_fit, _vectors_fit
 
 _ZIMAGE = "diffusers.models.transformers.transformer_z_image"
@@ -32,34 +33,6 @@ _swiglu = lazy_module("torchpatches.ops._swiglu")
 
 #: feed-forward class -> its methods are the source the fused path was written from (checked once per class).
 _VERIFIED: dict = {}
-
-
-def _rms_norm_class() -> type:
-    from diffusers.models.normalization import RMSNorm  # loaded with the targets' modules
-
-    return RMSNorm
-
-
-def _plain_rms_norm(norm: Any, x: torch.Tensor) -> bool:
-    """A stock diffusers ``RMSNorm(D)`` with a plain weight of x's dtype and device, no bias, a number for eps."""
-    if not stock(norm, _rms_norm_class()):
-        return False
-    d, params = norm.__dict__, norm._parameters
-    weight = params.get("weight")
-    return (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.shape == x.shape[-1:]
-            and weight.dtype == x.dtype and weight.device == x.device and params.get("bias") is None
-            and d.get("bias") is None and type(d.get("eps")) in (int, float))
-
-
-def _norms_ok(block: Any, x: torch.Tensor) -> bool:
-    def check() -> bool:
-        modules = block._modules
-        return all(_plain_rms_norm(modules.get(name), x) for name in _NORMS)
-
-    if remembered(block, (x.dtype, x.device, x.shape[-1]), check, _NORMS):
-        return True
-    declined("a norm is not a stock diffusers RMSNorm with a weight of the input's dtype and no bias")
-    return False
 
 
 def _verified(cls: type) -> bool:
@@ -107,7 +80,7 @@ def _sandwich(block: Any, x: torch.Tensor, scale_msa: torch.Tensor, gate_msa: to
 
 
 def _fits(block: Any, x: Any, *tensors: Any) -> bool:
-    return fusable(x, (block,), *tensors) and x.dim() == 3 and _norms_ok(block, x)
+    return fusable(x, (block,), *tensors) and x.dim() == 3 and diffusers_rms_norms_fit(block, x, _NORMS)
 
 
 def _modulated(block: Any, x: torch.Tensor, scale_msa: Any, gate_msa: Any, scale_mlp: Any, gate_mlp: Any,

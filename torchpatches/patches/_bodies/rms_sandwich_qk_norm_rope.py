@@ -9,8 +9,8 @@ from typing import Any, Optional
 import torch
 
 from ..._core.lazy import lazy_module
-from .._fused_common import FALLBACK, declined, dropout, fusable, linear, remembered
-from .rms_sandwich_block import _plain_rms_norm
+from .._diffusers_norms import diffusers_rms_norms_fit
+from .._fused_common import FALLBACK, declined, dropout, fusable, linear
 
 _ZIMAGE = "diffusers.models.transformers.transformer_z_image"
 _tables = lazy_module("torchpatches.patches._per_step")
@@ -24,14 +24,7 @@ def _rotate(x_in: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return x_out.type_as(x_in)
 
 
-def _norms_ok(attn: Any, q: torch.Tensor) -> bool:
-    def check() -> bool:
-        return _plain_rms_norm(attn.norm_q, q) and _plain_rms_norm(attn.norm_k, q)
-
-    if remembered(attn, (q.dtype, q.device, q.shape[-1]), check, ("norm_q", "norm_k")):
-        return True
-    declined("a q/k norm is not a stock diffusers RMSNorm with a weight of the input's dtype and no bias")
-    return False
+_QK_NORMS = ("norm_q", "norm_k")
 
 
 def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, freqs_cis: Any) -> Optional[tuple]:
@@ -39,7 +32,7 @@ def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, freqs_cis: Any)
     forced tier) has the op normalize only, then rotates with diffusers' complex multiply (its bits: see
     ``_bodies/qwenimage_qk_norm_rope._fused_qkv``)."""
     if type(key) is not torch.Tensor or key.shape != query.shape or key.dtype != query.dtype \
-            or query.shape[-1] % 2 or not _norms_ok(attn, query):
+            or query.shape[-1] % 2 or not diffusers_rms_norms_fit(attn, query, _QK_NORMS):
         return None
     tables = _tables().complex_tables(freqs_cis, query.shape[1], query.shape[-1], query.device)
     if tables is None:
@@ -117,7 +110,7 @@ def _fused_half(attn: Any, query: torch.Tensor, key: torch.Tensor, image_rotary_
     """(q, k) normalized and rotated (half-split pairs, each op rounding, as Ideogram 4's processor) by the op, or
     None where a tensor does not fit it."""
     if type(key) is not torch.Tensor or key.shape != query.shape or key.dtype != query.dtype \
-            or query.shape[-1] % 2 or not _norms_ok(attn, query):
+            or query.shape[-1] % 2 or not diffusers_rms_norms_fit(attn, query, _QK_NORMS):
         return None
     if not _tables_fit(query, image_rotary_emb):
         declined("image_rotary_emb is not (cos, sin) [B, L, D] of the activations' dtype")

@@ -9,32 +9,15 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from .._fused_common import FALLBACK, declined, dropout, fusable, linear, stock
+from .._diffusers_norms import plain_diffusers_rms_norm
+from .._fused_common import FALLBACK, declined, dropout, fusable, linear
 
 _PROCESSOR = "diffusers.models.attention_processor"
-_NORMALIZATION = "diffusers.models.normalization"
-
-
-def _rms_norm_fits(norm: Any, cls: type, x: torch.Tensor) -> bool:
-    """A stock diffusers ``RMSNorm(head_dim)`` with a weight of x's dtype and device, no bias."""
-    w = norm.weight
-    return (
-        stock(norm, cls)
-        and type(w) in (torch.Tensor, torch.nn.Parameter)
-        and norm.bias is None
-        and tuple(norm.dim) == (x.shape[-1],)
-        and w.dtype == x.dtype
-        and w.device == x.device
-        and tuple(w.shape) == (x.shape[-1],)
-    )
 
 
 def _norms_fit(attn: Any, x: torch.Tensor, joint: bool) -> bool:
-    normalization = sys.modules[_NORMALIZATION]
-    if normalization.is_torch_npu_available():  # diffusers' RMSNorm takes torch_npu's kernel there
-        return False
     norms = (attn.norm_q, attn.norm_k) + ((attn.norm_added_q, attn.norm_added_k) if joint else ())
-    return all(_rms_norm_fits(n, normalization.RMSNorm, x) for n in norms)
+    return all(plain_diffusers_rms_norm(n, x) for n in norms)
 
 
 def _call_ok(processor: Any, attn: Any, hidden_states: Any, encoder_hidden_states: Any) -> bool:
