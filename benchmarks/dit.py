@@ -600,6 +600,7 @@ def _per_model(text: str, default: Dict[str, Optional[Tuple[int, ...]]], models:
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the harness's tiny configs on the CPU (PyTorch tiers)")
+    parser.add_argument("--list", action="store_true", help="print each model's shapes and block subset, and exit")
     parser.add_argument("--models", default=",".join(SPECS))
     parser.add_argument("--variants", default=None,
                         help="groups eager,each,graph,regional,full,after or row names (regional/all, -adaln); "
@@ -655,6 +656,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     NO_GRAD = args.no_grad
     if args.summary:
         summarize(args.summary, args.json, args.plot, args.plot_name)
+        return 0
+    if args.list:
+        for name in args.models:
+            print(f"{name:15s} {SPECS[name].about}")
         return 0
     if args.plot:
         import _dit_charts

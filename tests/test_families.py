@@ -4,7 +4,7 @@ LTX-2, Ideogram 4, Kandinsky 6, Chroma, HiDream-I1), fused (Z-Image, Ideogram 4,
 Their tiny models (``torchpatches/_harness/families.py``) give bit-identical outputs with and without torchpatches
 on the CPU (no fused path runs there), and ``torchpatches.coverage`` reports, per family, which of its classes a
 pattern targets (shared diffusers modules: Wan's blocks, ``AdaLayerNormZero``, FLUX.1's attention processor) and
-which are targeted by none. A family that gains a fused pattern changes its row here.
+which are targeted by none. A family that gains a fused pattern changes its registry row.
 """
 from __future__ import annotations
 
@@ -16,32 +16,13 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from harness import build_model, tiny_inputs  # noqa: E402
+from harness import build_model, registry, tiny_inputs  # noqa: E402
 
-#: name -> (its own classes no pattern targets, the (pattern, class) pairs of the shared modules patterns target)
+#: name -> (its own classes no pattern targets, the (pattern, class) pairs coverage reports): the registry's rows
+#: that pin them (``torchpatches/_harness/registry.py``).
 FAMILIES: Dict[str, Tuple[Tuple[str, ...], FrozenSet[Tuple[str, str]]]] = {
-    "flux3": (("Flux3ModeTransformerBlock", "Flux3SingleTransformerBlock", "Flux3AttnProcessor"), frozenset()),
-    "qwenimage21": (("QwenImage21TransformerBlock", "QwenImage21AttnProcessor"), frozenset()),
-    "zimage": (("FinalLayer", "TimestepEmbedder"), frozenset({
-        ("rms_sandwich_block", "ZImageTransformerBlock"), ("rms_sandwich_qk_norm_rope", "ZSingleStreamAttnProcessor")})),
-    "krea2": (("Krea2TransformerBlock", "Krea2AttnProcessor"), frozenset()),
-    # Wan 2.2's class is Wan 2.1's: the Wan patterns target it (their per-token timestep form is their business)
-    "wan22-ti2v": (("WanTimeTextImageEmbedding",), frozenset({
-        ("wan_block", "WanTransformerBlock"), ("wan_qk_norm_rope", "WanAttnProcessor"), ("gelu_gemm", "GELU")})),
-    "hunyuanvideo15": (("HunyuanVideo15IndividualTokenRefinerBlock",), frozenset({
-        ("hunyuanvideo15", "HunyuanVideo15TransformerBlock"), ("hunyuanvideo15", "HunyuanVideo15AttnProcessor2_0"),
-        ("adaln", "AdaLayerNormZero"), ("adaln", "AdaLayerNormContinuous"), ("gelu_gemm", "GELU")})),
-    "ltx2": (("LTX2VideoTransformerBlock", "LTX2AudioVideoAttnProcessor"), frozenset({("gelu_gemm", "GELU")})),
-    "ideogram4": (("Ideogram4MRoPE", "Ideogram4FinalLayer"), frozenset({
-        ("rms_sandwich_block", "Ideogram4TransformerBlock"), ("rms_sandwich_qk_norm_rope", "Ideogram4AttnProcessor")})),
-    "kandinsky6": (("Kandinsky6FusedTransformerDecoderBlock", "Kandinsky6TransformerEncoderBlock",
-                    "Kandinsky6AttnProcessor"), frozenset({("gelu_gemm", "GELU")})),
-    # Chroma's blocks are its own, its attention processor and position embedder FLUX.1's
-    "chroma": (("ChromaTransformerBlock", "ChromaSingleTransformerBlock"), frozenset({
-        ("qk_norm_rope", "FluxAttnProcessor"), ("rope_tables", "FluxPosEmbed"), ("gelu_gemm", "GELU")})),
-    "hidream": (("HiDreamImageTransformerBlock", "HiDreamImageSingleTransformerBlock", "MOEFeedForwardSwiGLU",
-                 "HiDreamAttnProcessor"), frozenset()),
-}
+    name: (family.untargeted, family.targeted) for name, family in registry.FAMILIES.items()
+    if family.targeted is not None}
 #: tiny_inputs options: what the family's pipeline passes beyond the config's defaults
 OPTIONS: Dict[str, Dict[str, Any]] = {"chroma": {"text_padding": 2}}
 

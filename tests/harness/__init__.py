@@ -11,7 +11,7 @@ benchmarks (``benchmarks/_bench.py`` puts it there).
 """
 from __future__ import annotations
 
-from torchpatches._harness import families, models
+from torchpatches._harness import families, models, production, registry
 from torchpatches._harness.models import CONFIGS, build_model, tiny_inputs
 from torchpatches._harness.reports import (
     GraphReport, InductorReport, count_buffers, count_kernels, graph_report, inductor_report,
@@ -23,7 +23,7 @@ from .references import rel_err, rope_reference
 from .variants import replacing, rope_op_under_compile
 
 __all__ = [
-    "families", "models", "CONFIGS", "build_model", "tiny_inputs",
+    "families", "models", "production", "registry", "CONFIGS", "build_model", "tiny_inputs",
     "GraphBreakCase", "GRAPH_BREAK_CASES", "Program", "REALIZE_PROGRAMS",
     "GraphReport", "graph_report", "InductorReport", "inductor_report", "count_kernels", "count_buffers",
     "rope_reference", "rel_err",

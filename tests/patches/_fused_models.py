@@ -1,4 +1,4 @@
-"""The tiny FLUX models the fused-pattern tests run (not a test module)."""
+"""The tiny models the fused-pattern tests run, from the model registry (not a test module)."""
 from __future__ import annotations
 
 import contextlib
@@ -6,22 +6,12 @@ import os
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Tuple
 
 import torch
+from harness import registry
 
-#: The eager fusion patterns.
-FUSED = ("adaln", "qk_norm_rope", "gate_residual", "gelu_gemm", "swiglu", "rope_tables",
-         "sd3_qk_norm", "sd3_block",
-         "wan_block",
-         "wan_qk_norm_rope",
-         "qwenimage_block",
-         "qwenimage_qk_norm_rope",
-         "rms_sandwich_block", "rms_sandwich_qk_norm_rope",
-         "hunyuanvideo15")
-#: The harness configs ``<name>-fused`` every model-level fused test runs (a new model's fusion adds its name).
-MODELS = ("flux1", "flux2",
-          "sd3",
-          "wan",
-          "qwenimage",
-          "zimage", "ideogram4", "wan22-ti2v", "hunyuanvideo15")
+#: The eager fusion patterns (every one some registry family runs) and the families whose ``<name>-fused`` config
+#: every model-level fused test runs: both from the model registry (``torchpatches/_harness/registry.py``).
+FUSED = registry.FUSED_PATTERNS
+MODELS = tuple(name for name, family in registry.FAMILIES.items() if family.fused is not None)
 #: Where the tiny models run: the CPU in CI; ``TORCHPATCHES_TEST_DEVICE=cuda`` runs the same cases on a GPU
 #: (the Triton tier compiled, not interpreted), as benchmarks/README's GPU checks do.
 DEVICE = torch.device(os.environ.get("TORCHPATCHES_TEST_DEVICE", "cpu"))
@@ -125,14 +115,7 @@ def same(out: torch.Tensor, ref: torch.Tensor, which: str = "") -> bool:
 
 #: peft LoRA targets per model (each model's usual LoRA targets on the tiny config) and the fused op calls a
 #: LoRA-loaded forward still makes: the projections are module calls, the fused glue runs around them.
-LORA = {
-    "sd3": (["to_q", "to_k", "add_q_proj", "add_v_proj", "to_out.0", "to_add_out", "ff.net.0.proj",
-             "ff_context.net.2", "norm1.linear", "norm1_context.linear"], {"qk_norm_rope": 2, "modulate": 11}),
-    "wan": (["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
-            {"modulate": 8, "rms_norm_rope": 4}),
-    "qwenimage": (["to_q", "to_k", "add_v_proj", "to_out.0", "to_add_out", "img_mod.1", "txt_mod.1",
-                   "img_mlp.net.0.proj", "txt_mlp.net.2"], {"modulate": 13, "qk_norm_rope": 2}),
-}
+LORA = {name: (list(family.lora[0]), family.lora[1]) for name, family in registry.FAMILIES.items() if family.lora}
 
 
 def repeatable_inductor() -> ContextManager[None]:

@@ -29,7 +29,7 @@ from diffusers.models.transformers import transformer_flux, transformer_flux2  #
 from torchpatches._core import gates as _gates  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
 from torchpatches.patches._bodies import gate_residual  # noqa: E402
-from harness import count_kernels  # noqa: E402
+from harness import count_kernels, registry  # noqa: E402
 
 VERIFIED = "0.42.1"
 
@@ -52,12 +52,9 @@ def tiny_flux2(dtype: torch.dtype = torch.float32) -> Tuple[torch.nn.Module, Dic
 
 
 MODELS = {"flux1": tiny_flux1, "flux2": tiny_flux2}
-#: Fused op calls per forward of the tiny models (1 double + 2 single blocks) with every pattern on.
-EXPECTED = {
-    # modulate: double 2 adaLN + 2 residual+LN + 2 residual, single 2 x (adaLN + residual), norm_out
-    "flux1": {"modulate": 11, "qk_norm_rope": 3, "slices": 4},
-    "flux2": {"modulate": 11, "qk_norm_rope": 3, "swiglu": 4, "slices": 2},
-}
+#: Fused op calls per forward of the tiny models (1 double + 2 single blocks) with every pattern on (the registry's;
+#: modulate: double 2 adaLN + 2 residual+LN + 2 residual, single 2 x (adaLN + residual), norm_out).
+EXPECTED = {name: registry.FAMILIES[name].calls for name in MODELS}
 
 
 def vanilla(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
@@ -144,31 +141,7 @@ def test_patch_modules_import_nothing_heavy() -> None:
 # ---- the fused path computes what diffusers computes ------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("which", sorted(MODELS))
-def test_fused_path_equals_diffusers(which: str, dtype: torch.dtype, calls: Dict[str, int]) -> None:
-    """PyTorch tier forced (and gelu_gemm off, ``exact``): the fused paths' rearranged code (views instead of
-    concats, one call instead of several) must give diffusers' values bit for bit."""
-    model, inputs = MODELS[which](dtype)
-    ref = vanilla(model, inputs)
-    assert not calls, "the vanilla run must not reach the fused ops"
-    with exact():
-        out = run(model, inputs)
-    assert dict(calls) == EXPECTED[which]
-    assert torch.equal(out, ref)
-
-
-@pytest.mark.parametrize("which", sorted(MODELS))
-def test_triton_kernels_in_the_model(which: str, calls: Dict[str, int]) -> None:
-    """The Triton kernels (interpreter) inside the model, bf16: one-ulp differences at most, carried
-    through two blocks of bf16 GEMMs."""
-    pytest.importorskip("triton")
-    model, inputs = MODELS[which](torch.bfloat16)
-    ref = vanilla(model, inputs)
-    with force_tier("triton"):
-        out = run(model, inputs)
-    assert dict(calls) == EXPECTED[which]
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+# Bit for bit with the PyTorch tier, within an ulp with the kernels, the op calls: test_fused_families.py.
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the automatic tier is the kernels'")

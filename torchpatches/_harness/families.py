@@ -1,11 +1,11 @@
-"""Tiny configs and inputs of the diffusion transformers added after the first five (private; merged into
-``models.CONFIGS``): FLUX.3, QwenImage 2.1, Z-Image, Krea 2, Wan 2.2 TI2V-5B, HunyuanVideo 1.5, LTX-2,
-Ideogram 4, Kandinsky 6 and HiDream-I1. Chroma, the eleventh family, is ``models``' ``chroma``.
+"""The tiny inputs of the registry's families (``registry.FAMILIES[name].inputs``), and the id and mask builders
+their production inputs share (``production``).
 
 The inputs are what each diffusers 0.42.1 pipeline passes its transformer (``pipelines/<model>/pipeline_*.py``,
 FLUX.3's ``modular_pipelines/flux3``), at tiny shapes: the timestep's scale and dtype, the ids and masks the pipeline
 builds, zeros where the pipeline passes zeros (text-to-video's condition latents, padding). Text-to-image/video,
-batch 1 (the pipelines' guidance runs cond and uncond as separate calls or as a batch of 2).
+batch 1 (the pipelines' guidance runs cond and uncond as separate calls or as a batch of 2). Each builder:
+``(config, randn, device, dtype, **options) -> forward kwargs``; ``models.tiny_inputs`` documents the options.
 """
 from __future__ import annotations
 
@@ -15,71 +15,96 @@ import torch
 
 Randn = Callable[..., torch.Tensor]
 
-#: name -> (diffusers class, constructor arguments), one block of each kind per model.
-FAMILY_CONFIGS: Dict[str, Tuple[str, Dict[str, Any]]] = {
-    "flux3": ("Flux3Transformer2DModel", dict(
-        in_channels=8, cond_in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=16, timestep_channels=32, mlp_ratio=2.0,
-        axes_dims_rope=(4, 4, 4, 4))),
-    "qwenimage21": ("QwenImage21Transformer2DModel", dict(
-        patch_size=1, in_channels=8, out_channels=8, num_layers=1, attention_head_dim=16, num_attention_heads=2,
-        context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6))),
-    # head dim = sum(axes_dims) (Z-Image's RoPE covers the whole head)
-    "zimage": ("ZImageTransformer2DModel", dict(
-        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=1, n_refiner_layers=1, n_heads=2,
-        n_kv_heads=2, cap_feat_dim=16, axes_dims=[8, 12, 12], axes_lens=[64, 32, 32])),
-    # GQA as in production (q heads / kv heads = 2 here, 4 there)
-    "krea2": ("Krea2Transformer2DModel", dict(
-        in_channels=8, num_layers=1, attention_head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=32, timestep_embed_dim=16, text_hidden_dim=32, num_text_layers=3, text_num_attention_heads=2,
-        text_num_key_value_heads=2, text_intermediate_size=32, num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
-        axes_dims_rope=(4, 6, 6))),
-    # Wan2.2-TI2V-5B's block options (q/k RMSNorm across heads, affine cross-attention norm)
-    "wan22-ti2v": ("WanTransformer3DModel", dict(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4, text_dim=16,
-        freq_dim=16, ffn_dim=32, num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
-        rope_max_seq_len=32)),
-    # in_channels = 2 latent + 2 condition-latent + 1 mask channels, as the pipeline concatenates them
-    "hunyuanvideo15": ("HunyuanVideo15Transformer3DModel", dict(
-        in_channels=5, out_channels=2, num_attention_heads=2, attention_head_dim=16, num_layers=1, num_refiner_layers=1,
-        mlp_ratio=2.0, text_embed_dim=16, text_embed_2_dim=8, image_embed_dim=8, rope_axes_dim=(4, 6, 6))),
-    # the LTX-2.x checkpoints' split RoPE; LTX-2.3's gated attention and cross-attention modulation on. Cross dims
-    # must equal each stream's width, and the audio heads the video heads (cross_attn_rope uses the video count).
-    "ltx2": ("LTX2VideoTransformer3DModel", dict(
-        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
-        audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2, audio_attention_head_dim=4,
-        audio_cross_attention_dim=8, num_layers=1, caption_channels=16, rope_type="split", gated_attn=True,
-        cross_attn_mod=True, audio_gated_attn=True, audio_cross_attn_mod=True)),
-    # sum(mrope_section) = head dim / 2
-    "ideogram4": ("Ideogram4Transformer2DModel", dict(
-        in_channels=8, num_layers=1, attention_head_dim=16, num_attention_heads=2, intermediate_size=32, adaln_dim=16,
-        llm_features_dim=24, mrope_section=(4, 2, 2))),
-    # the released checkpoints' options (ca_rope, cross_gates, fix_modulation, text_token_padding); in_visual_dim
-    # 4: the latents' channels (the pipeline adds as many condition channels and a mask: 9 in all)
-    "kandinsky6": ("Kandinsky6Transformer3DModel", dict(
-        in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2),
-        model_dim=32, ff_dim=64, num_text_blocks=1, num_visual_blocks=1, axes_dims=(4, 6, 6), in_audio_dim=4,
-        out_audio_dim=4, ca_rope=True, cross_gates=True, fix_modulation=True, text_token_padding=True)),
-    # MoE feed-forward (4 routed experts, 2 active) as in production; llama_layers: the Llama layer each block reads
-    "hidream": ("HiDreamImageTransformer2DModel", dict(
-        patch_size=2, in_channels=4, out_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, caption_channels=[8, 8], text_emb_dim=8, num_routed_experts=4, num_activated_experts=2,
-        axes_dims_rope=(4, 6, 6), max_resolution=(16, 16), llama_layers=[0, 1])),
-}  # fmt: skip
-#: The fused families' ``<name>-fused`` configs: two main blocks (Z-Image: one modulated noise refiner and one
-#: unmodulated context refiner besides). Pinned on them: the rms_sandwich_block / rms_sandwich_qk_norm_rope op call counts
-#: (tests/patches/test_fused_rms_sandwich.py; Wan 2.2 TI2V's: test_fused_wan.py) and every model-level fused test
-#: (tests/patches/_fused_models.MODELS).
-FAMILY_CONFIGS.update({
-    "zimage-fused": (FAMILY_CONFIGS["zimage"][0], dict(FAMILY_CONFIGS["zimage"][1], n_layers=2)),
-    "ideogram4-fused": (FAMILY_CONFIGS["ideogram4"][0], dict(FAMILY_CONFIGS["ideogram4"][1], num_layers=2)),
-    "wan22-ti2v-fused": (FAMILY_CONFIGS["wan22-ti2v"][0], dict(FAMILY_CONFIGS["wan22-ti2v"][1], num_layers=2)),
-    "hunyuanvideo15-fused": (FAMILY_CONFIGS["hunyuanvideo15"][0], dict(FAMILY_CONFIGS["hunyuanvideo15"][1],
-                                                                      num_layers=2)),
-})
+
+def flux1_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+                  dtype: torch.dtype, ids_3d: bool = False, side: int = 4, text_tokens: int = 8) -> Dict[str, Any]:
+    """As FluxPipeline passes them: packed latents, ids ``[S, 3]`` of the latent grid, timestep in [0, 1]."""
+    rows = torch.arange(float(side))
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), rows, rows, indexing="ij"), -1).reshape(-1, 3).to(device)
+    txt_ids = torch.zeros(text_tokens, 3, device=device)
+    kwargs = dict(
+        hidden_states=randn(1, side * side, config["in_channels"]),
+        encoder_hidden_states=randn(1, text_tokens, config["joint_attention_dim"]),
+        pooled_projections=randn(1, config["pooled_projection_dim"]),
+        timestep=torch.tensor([0.5], device=device, dtype=dtype),
+        img_ids=img_ids[None] if ids_3d else img_ids,
+        txt_ids=txt_ids[None] if ids_3d else txt_ids,
+        return_dict=False,
+    )
+    if config["guidance_embeds"]:
+        kwargs["guidance"] = torch.tensor([3.5], device=device)
+    return kwargs
 
 
-def _flux3_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
+def flux2_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+                  dtype: torch.dtype, side: int = 4, text_tokens: int = 8) -> Dict[str, Any]:
+    """As Flux2Pipeline passes them: int64 ids ``[1, S, 4]`` (t, h, w, l; ``cartesian_prod`` of ``arange``s) of the
+    latent grid and of the text."""
+    zero, grid = torch.arange(1), torch.arange(side)
+    kwargs = dict(
+        hidden_states=randn(1, side * side, config["in_channels"]),
+        encoder_hidden_states=randn(1, text_tokens, config["joint_attention_dim"]),
+        timestep=torch.tensor([0.5], device=device, dtype=dtype),
+        img_ids=torch.cartesian_prod(zero, grid, grid, zero)[None].to(device),
+        txt_ids=torch.cartesian_prod(zero, zero, zero, torch.arange(text_tokens))[None].to(device),
+        return_dict=False,
+    )
+    if config["guidance_embeds"]:
+        kwargs["guidance"] = torch.tensor([3.5], device=device)
+    return kwargs
+
+
+def sd3_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+                dtype: torch.dtype) -> Dict[str, Any]:
+    return dict(hidden_states=randn(1, 4, 8, 8), encoder_hidden_states=randn(1, 8, 32),
+                pooled_projections=randn(1, 32), timestep=torch.tensor([500], device=device), return_dict=False)
+
+
+def qwenimage_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+                      dtype: torch.dtype, mixed_sizes: bool = False, text_padding: int = 0, side: int = 4,
+                      text_tokens: int = 8) -> Dict[str, Any]:
+    """``mixed_sizes``: a batch of two images of different sizes (4x4 and 2x8 latent patches), which
+    QwenImage's RoPE does not support and warns about (using the first image's size for both).
+    ``text_padding``: the last text tokens masked out (0 in ``encoder_hidden_states_mask``). ``side`` x ``side``
+    latent patches and ``text_tokens`` text tokens otherwise (odd counts: shards of unequal size under context
+    parallelism)."""
+    batch = 2 if mixed_sizes else 1
+    shapes = [[(1, 4, 4)], [(1, 2, 8)]] if mixed_sizes else [[(1, side, side)]]
+    mask = torch.ones(batch, text_tokens, dtype=torch.long, device=device)
+    mask[:, text_tokens - text_padding:] = 0
+    return dict(hidden_states=randn(batch, 16 if mixed_sizes else side * side, 16),
+                encoder_hidden_states=randn(batch, text_tokens, 32), encoder_hidden_states_mask=mask,
+                timestep=torch.full((batch,), 0.5, device=device, dtype=dtype), img_shapes=shapes,
+                return_dict=False)
+
+
+def wan_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+                dtype: torch.dtype, side: int = 8) -> Dict[str, Any]:
+    """2 latent frames of ``side`` x ``side`` (8: 32 tokens with patch (1, 2, 2)). ``image_dim`` in the config
+    (I2V): 4 CLIP image tokens too. The I2V processor splits the context at 512 text tokens (hard-coded in
+    diffusers), so an I2V model gets 512 text tokens."""
+    kwargs = dict(hidden_states=randn(1, 4, 2, side, side), timestep=torch.tensor([500], device=device),
+                  encoder_hidden_states=randn(1, 512 if config.get("image_dim") else 8, 32), return_dict=False)
+    if config.get("image_dim"):
+        kwargs["encoder_hidden_states_image"] = randn(1, 4, config["image_dim"])
+    return kwargs
+
+
+def flux_like_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+                      dtype: torch.dtype, ids_3d: bool = False, text_padding: int = 0) -> Dict[str, Any]:
+    """Chroma and Ovis-Image: FLUX.1's inputs without pooled projections (4x4 latent grid, 8 text tokens).
+    ``text_padding`` (Chroma): ChromaPipeline's ``attention_mask``, the prompt's bool mask (its last ``text_padding``
+    tokens padding) followed by the image tokens' ones."""
+    kwargs = flux1_inputs(dict(config, pooled_projection_dim=1, guidance_embeds=False), randn, device, dtype, ids_3d)
+    del kwargs["pooled_projections"]
+    if text_padding:
+        mask = torch.ones(1, 8 + 16, dtype=torch.bool, device=device)
+        mask[:, 8 - text_padding:8] = False
+        kwargs["attention_mask"] = mask
+    return kwargs
+
+
+def flux3_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
                   side: int = 4, text_tokens: int = 8) -> Dict[str, Any]:
     """As FLUX.3's modular text-to-image blocks pass them: float32 ids ``[S, 4]`` (t, h, w, l; h and w scaled by the
     image RoPE scale 0.5), text ids along l, timestep t / 1000 in the latents' dtype."""
@@ -93,7 +118,7 @@ def _flux3_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dt
                 return_dict=False)
 
 
-def _qwenimage21_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
+def qwenimage21_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
                         kv_cache_mode: str = "cached", side: int = 4, text_tokens: int = 5) -> Dict[str, Any]:
     """As QwenImage21Pipeline passes them (text-to-image): latents flattened unpatched ``[B, S, C]``, ``img_mask``
     the prompt's image-pad mask (none in a text prompt) plus one slot per 2x2 target latents, the prompt mask (long).
@@ -115,7 +140,7 @@ def _qwenimage21_inputs(config: Dict[str, Any], randn: Randn, device: torch.devi
                 img_mask=img_mask.to(device), kv_cache=cache, kv_cache_mode=kv_cache_mode, return_dict=False)
 
 
-def _zimage_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
+def zimage_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
                    side: int = 8, text_tokens: int = 7) -> Dict[str, Any]:
     """As ZImagePipeline passes them: one ``[C, 1, H, W]`` latent and the prompt's valid caption features ``[L, D]``
     per sample (lists), timestep (1000 - t) / 1000 (float32, the scheduler's)."""
@@ -131,7 +156,7 @@ def krea2_position_ids(text_tokens: int, grid: int) -> torch.Tensor:
     return torch.cat([torch.zeros(text_tokens, 3), image.reshape(-1, 3)])
 
 
-def _krea2_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
+def krea2_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
                   side: int = 4) -> Dict[str, Any]:
     """As Krea2Pipeline passes them: packed latents, per-token features of ``num_text_layers`` text-encoder layers
     ``[B, L, layers, D]``, a bool mask padded in the middle (``[prompt | PAD | suffix]``), timestep t / 1000."""
@@ -149,7 +174,7 @@ def wan22_ti2v_timestep(frames: int, height: int, width: int, t: float, device: 
     return (mask[:, ::2, ::2] * t).flatten()[None]
 
 
-def _wan22_ti2v_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
+def wan22_ti2v_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype,
                        side: int = 8) -> Dict[str, Any]:
     """2 latent frames of ``side`` x ``side`` (8: 32 tokens), 8 text tokens (6 valid, then zeros as the pipeline
     pads)."""
@@ -160,7 +185,7 @@ def _wan22_ti2v_inputs(config: Dict[str, Any], randn: Randn, device: torch.devic
                 return_dict=False)
 
 
-def _hunyuanvideo15_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+def hunyuanvideo15_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
                            dtype: torch.dtype) -> Dict[str, Any]:
     """As HunyuanVideo15Pipeline passes them (text-to-video): ``[latents, zero condition latents, zero mask]`` on the
     channels, the float timestep in the latents' dtype, a padded prompt (long mask), ByT5 glyph features all zeros
@@ -176,7 +201,7 @@ def _hunyuanvideo15_inputs(config: Dict[str, Any], randn: Randn, device: torch.d
                 return_dict=False)
 
 
-def _ltx2_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
+def ltx2_inputs(config: Dict[str, Any], randn: Randn, device: torch.device, dtype: torch.dtype) -> Dict[str, Any]:
     """As LTX2Pipeline passes them: packed video ``[B, F*H*W, C]`` and audio ``[B, frames, C]`` latents, the
     connectors' video and audio prompt embeddings with the prompt's left-padded mask, ``sigma`` = the timestep
     (t, float32), the latent grid and 24 fps; the coordinates are the transformer's own (the pipeline precomputes
@@ -217,7 +242,7 @@ def ideogram4_features(randn: Randn, valid: int, max_text_tokens: int, image_tok
     return features
 
 
-def _ideogram4_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+def ideogram4_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
                       dtype: torch.dtype) -> Dict[str, Any]:
     """As Ideogram4Pipeline passes them: ``[zeros over the text region, latents]``, 3 text tokens left-padded to 4, a
     2x4 latent grid, timestep 1 - t / 1000 in the model's dtype."""
@@ -236,7 +261,7 @@ def kandinsky6_visual(randn: Randn, frames: int, height: int, width: int, channe
     return torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[..., :1])], dim=-1)
 
 
-def _kandinsky6_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+def kandinsky6_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
                        dtype: torch.dtype) -> Dict[str, Any]:
     """As Kandinsky6TI2VAPipeline passes them (text-to-video with audio): a max-length padded prompt with its bool mask
     (None when no token is padding), CLIP's pooled embedding, the timestep t (float32), audio latents."""
@@ -248,7 +273,7 @@ def _kandinsky6_inputs(config: Dict[str, Any], randn: Randn, device: torch.devic
                 return_dict=False)
 
 
-def _hidream_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
+def hidream_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
                     dtype: torch.dtype) -> Dict[str, Any]:
     """As HiDreamImagePipeline passes them: square latents ``[B, C, H, W]`` (the model patchifies, no mask), the
     timestep t (float32), T5 features, every Llama layer's hidden states stacked ``[layers, B, L, D]``, pooled CLIP."""
@@ -257,11 +282,3 @@ def _hidream_inputs(config: Dict[str, Any], randn: Randn, device: torch.device,
                 encoder_hidden_states_t5=randn(1, 6, config["caption_channels"][0]),
                 encoder_hidden_states_llama3=randn(llama_layers, 1, 5, config["caption_channels"][1]),
                 pooled_embeds=randn(1, config["text_emb_dim"]), return_dict=False)
-
-
-FAMILY_INPUTS: Dict[str, Callable[..., Dict[str, Any]]] = {
-    "flux3": _flux3_inputs, "qwenimage21": _qwenimage21_inputs, "zimage": _zimage_inputs, "krea2": _krea2_inputs,
-    "wan22-ti2v": _wan22_ti2v_inputs, "hunyuanvideo15": _hunyuanvideo15_inputs, "ltx2": _ltx2_inputs,
-    "ideogram4": _ideogram4_inputs, "kandinsky6": _kandinsky6_inputs, "hidream": _hidream_inputs,
-    "wan22-ti2v-fused": _wan22_ti2v_inputs, "hunyuanvideo15-fused": _hunyuanvideo15_inputs,
-}
