@@ -30,7 +30,7 @@ _QK_NORMS = ("norm_q", "norm_k")
 def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, freqs_cis: Any) -> Optional[tuple]:
     """(q, k) normalized and rotated by the op, or None where a tensor does not fit it. The PyTorch tier (CPU with a
     forced tier) has the op normalize only, then rotates with diffusers' complex multiply (its bits: see
-    ``_bodies/qwenimage_qk_norm_rope._fused_qkv``)."""
+    ``patches/_joint_attention._fused_qkv``)."""
     if type(key) is not torch.Tensor or key.shape != query.shape or key.dtype != query.dtype \
             or query.shape[-1] % 2 or not diffusers_rms_norms_fit(attn, query, _QK_NORMS):
         return None
