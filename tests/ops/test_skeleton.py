@@ -142,12 +142,22 @@ def _rms_mod(x: torch.Tensor, tier: Any) -> torch.Tensor:
 _RMS_W = 1 + 0.1 * _randn(16, seed=7)
 
 
+def _krea_mod(x: torch.Tensor, tier: Any) -> torch.Tensor:  # Krea 2's zero-centered RMSNorm, an fp32 weight
+    w = (_RMS_W[: x.shape[-1]] - 1).float()
+    return torch.cat(modulate.gate_residual_rms_norm_modulate(x, x[:, 0].tanh(), x * 2, w, x[:, 1] * 0.5, x[:, 2],
+                                                              tier=tier))
+
+
 def _swiglu(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return swiglu.swiglu(x, tier=tier)
 
 
 def _swiglu_two(x: torch.Tensor, tier: Any) -> torch.Tensor:
     return swiglu.swiglu(x, x * 2, tier=tier)
+
+
+def _glu(x: torch.Tensor, tier: Any) -> torch.Tensor:  # Krea 2's attention output gate
+    return swiglu.swiglu(x, x * 2, activation="sigmoid", tier=tier)
 
 
 def _gelu_into(x: torch.Tensor, tier: Any) -> torch.Tensor:
@@ -170,6 +180,13 @@ def _qk_half(x: torch.Tensor, tier: Any) -> torch.Tensor:  # Ideogram 4's form: 
     return qk_norm_rope.qk_norm_rope(q, q * 2, _COS.to(x.dtype), _SIN.to(x.dtype), q_weight=_W.to(x.dtype),
                                      k_weight=_W.to(x.dtype), eps_q=1e-6, eps_k=1e-6, rounding="each",
                                      rope="half_each", tier=tier)[0]
+
+
+def _qk_gqa(x: torch.Tensor, tier: Any) -> torch.Tensor:  # Krea 2's form: zero-centered norms, k of 1 head
+    q = x.reshape(x.shape[0], x.shape[1], 2, -1)
+    return torch.cat(qk_norm_rope.qk_norm_rope(q, q[:, :, :1] * 2, _COS, _SIN, q_weight=_W - 1, k_weight=_W - 1,
+                                               eps_q=1e-5, eps_k=1e-5, rounding="zero_centered", k_repeat=2,
+                                               tier=tier)[:2])
 
 
 def _rms_rope(x: torch.Tensor, tier: Any) -> torch.Tensor:
@@ -195,9 +212,10 @@ def _rope_tables(x: torch.Tensor, tier: Any) -> torch.Tensor:
 
 
 OPS: Dict[str, Callable[[torch.Tensor, Any], torch.Tensor]] = {
-    "layer_norm_modulate": _lnmod, "gate_residual": _gate, "rms_modulate": _rms_mod, "swiglu": _swiglu, "swiglu two": _swiglu_two,
+    "layer_norm_modulate": _lnmod, "gate_residual": _gate, "rms_modulate": _rms_mod, "swiglu": _swiglu, "swiglu two": _swiglu_two, "swiglu sigmoid": _glu,
     "gelu_tanh_into": _gelu_into,
     "qk_norm_rope": _qk, "qk_norm_rope half_each": _qk_half, "apply_rope_qk": _rope,
+    "modulate zero-centered rms": _krea_mod, "qk_norm_rope zero_centered gqa": _qk_gqa,
     "rms_norm_rope": _rms_rope, "lse_merge": _lse_merge, "rope_tables": _rope_tables,
 }
 

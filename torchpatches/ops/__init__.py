@@ -14,9 +14,11 @@ Importing this package imports no op: each loads on first use, so ``import torch
 - norms with RoPE: :func:`qk_norm_rope` (per-head RMSNorm + interleaved RoPE + text/image concat),
   :func:`rms_norm_rope` (RMSNorm across heads + Wan's RoPE);
 - modulation: :func:`layer_norm_modulate`, :func:`gate_residual`, :func:`gate_residual_layer_norm`,
-  :func:`gate_residual_layer_norm_modulate`, :func:`residual_layer_norm_modulate`; with diffusers' RMSNorm:
+  :func:`gate_residual_layer_norm_modulate`, :func:`residual_layer_norm_modulate`; with Krea 2's zero-centered
+  RMSNorm: :func:`rms_norm_modulate`, :func:`gate_residual_rms_norm_modulate`; with diffusers' RMSNorm:
   :func:`rms_norm_scale`, :func:`gate_rms_norm_residual`, :func:`gate_rms_norm_residual_scale`;
-- activations: :func:`swiglu` (one input, or gate and up), :func:`linear_gelu_tanh`, :func:`gelu_tanh_into`, :func:`copy_into`;
+- activations: :func:`swiglu` (one input, or gate and up; the sigmoid GLU), :func:`linear_gelu_tanh`,
+  :func:`gelu_tanh_into`, :func:`copy_into`;
 - :func:`lora_linear` (a linear layer with LoRA adapters in its GEMM's epilogue), :func:`lse_merge` (two partial
   attention results by their log-sum-exps);
 - :data:`TIERS`, :func:`force_tier`.
@@ -34,7 +36,8 @@ _PUBLIC: Dict[str, str] = {
     "qk_norm_rope": "_qk_norm_rope",
     "rms_norm_rope": "_rms_norm_rope",
     **dict.fromkeys(("layer_norm_modulate", "gate_residual", "gate_residual_layer_norm",
-                     "gate_residual_layer_norm_modulate", "residual_layer_norm_modulate"), "_modulate"),
+                     "gate_residual_layer_norm_modulate", "residual_layer_norm_modulate", "rms_norm_modulate",
+                     "gate_residual_rms_norm_modulate"), "_modulate"),
     **dict.fromkeys(("rms_norm_scale", "gate_rms_norm_residual", "gate_rms_norm_residual_scale"), "_rms_modulate"),
     "swiglu": "_swiglu",
     "linear_gelu_tanh": "_linear_gelu",

@@ -7,6 +7,8 @@ Usable without any patching::
     h, out = gate_residual_layer_norm_modulate(residual, gate, y, scale, shift, eps=1e-6)
     h, out = residual_layer_norm_modulate(residual, y, scale, shift, eps=1e-6)  # residual + y, no gate
     h, out = gate_residual_layer_norm(residual, gate, y, weight, bias, eps=1e-6)  # affine LN(h)
+    out = rms_norm_modulate(x, weight, scale, shift, eps=1e-5)    # (1 + scale) * RMSNorm0(x) + shift
+    h, out = gate_residual_rms_norm_modulate(residual, gate, y, weight, scale, shift, eps=1e-5)
 
 ``x``/``residual``/``y`` are ``[B, S, D]`` (last dim unit-stride; other strides free); ``scale``,
 ``shift`` and ``gate`` are ``[B, D]`` (one vector per sample, diffusers' adaLN-Zero chunks),
@@ -16,6 +18,10 @@ LayerNorm has no affine parameters (diffusers' ``elementwise_affine=False``), ex
 ``cross_attn_norm``), ``round(LN(h) * weight + bias)`` computed in fp32 and rounded once, as torch's
 LayerNorm kernel. All tensors share one device; outputs are new contiguous tensors of ``x``'s dtype
 (fp32, bf16, fp16).
+
+``rms_norm_modulate`` / ``gate_residual_rms_norm_modulate`` put Krea 2's zero-centered RMSNorm
+(``Krea2RMSNorm``: ``F.rms_norm(h.float(), weight=weight + 1.0).to(h.dtype)``, a ``[D]`` weight of any float
+dtype, ``1 + weight`` rounded to it) where the LayerNorm is, with the ``"each"`` rounding around it.
 
 Two rounding modes (``rounding=``):
 
@@ -50,7 +56,8 @@ from . import _modulate_torch
 from ._runtime.tiers import FLOAT_DTYPES, choose_tier, force_tier, needs_grad
 
 __all__ = ["layer_norm_modulate", "gate_residual", "gate_residual_layer_norm_modulate",
-           "residual_layer_norm_modulate", "gate_residual_layer_norm", "force_tier", "ROUNDINGS"]
+           "residual_layer_norm_modulate", "gate_residual_layer_norm", "rms_norm_modulate",
+           "gate_residual_rms_norm_modulate", "force_tier", "ROUNDINGS"]
 
 #: ``"each"``: diffusers' rounding after every op; ``"once"``: fp32 compute rounded once (Wan's ``.type_as``).
 ROUNDINGS = ("each", "once")
@@ -106,21 +113,23 @@ def _prepare(residual, gate, y, scale, shift, once, affine=False):
 
 def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-          once: bool, tier: str, affine: bool = False, addends: Optional[tuple] = None) -> list[torch.Tensor]:
+          once: bool, tier: str, affine: bool = False, norm_weight: Optional[torch.Tensor] = None,
+          addends: Optional[tuple] = None) -> list[torch.Tensor]:
     """The op body: [h] (residual only), [out] (norm only) or [h, out]. ``y`` without ``gate``: a plain
     residual add; ``affine``: ``scale``/``shift`` are a LayerNorm's [D] weight and bias; ``addends``
-    (``prechecked`` only): the second terms ``(gate2, scale2, shift2)`` of two-term vectors (see there)."""
+    (``prechecked`` only): the second terms ``(gate2, scale2, shift2)`` of two-term vectors (see there);
+    ``norm_weight``: a zero-centered RMSNorm's [D] weight (Krea 2's) in place of the LayerNorm."""
     if tier == "torch":
-        if addends is not None:  # diffusers: (scale_shift_table + temb.float()), the fp32 sum, then chunked
-            gate, scale, shift = (None if v is None else _modulate_torch.tokens(v) + w.float()
+        if addends is not None:  # Wan: (scale_shift_table + temb.float()), the fp32 sum; Krea 2: temb + table
+            gate, scale, shift = (None if v is None else _modulate_torch.tokens(v) + (w.float() if once else w)
                                   for v, w in zip((gate, scale, shift), addends))
-        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine)
+        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine, norm_weight)
     else:
         # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time (its arguments are parsed in C++)
         h = torch.empty_like(residual, memory_format=torch.contiguous_format) if y is not None else None
         out = torch.empty_like(residual, memory_format=torch.contiguous_format) if scale is not None else None
         _triton_tier().launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine,
-                              addends=addends)
+                              addends=addends, norm_weight=norm_weight)
     return [t for t in (h, out) if t is not None]
 
 
@@ -131,18 +140,19 @@ _triton_tier = lazy_module(f"{__package__}._modulate_triton")
 @torch.library.custom_op("torchpatches::modulate", mutates_args=())
 def _modulate_op(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                  scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-                 once: bool, tier: str, affine: bool = False) -> list[torch.Tensor]:
-    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier, affine)
+                 once: bool, tier: str, affine: bool = False,
+                 norm_weight: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier, affine, norm_weight)
 
 
 @_modulate_op.register_fake
-def _(residual, gate, y, scale, shift, eps, clip, once, tier, affine=False):
+def _(residual, gate, y, scale, shift, eps, clip, once, tier, affine=False, norm_weight=None):
     n = int(y is not None) + int(scale is not None)
     return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
 
 
 @_dispatch.public
-def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affine=False):
+def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affine=False, norm_weight=None):
     if gated and gate is None:
         raise ValueError("gate must be a torch.Tensor, got None")
     if y is None and gate is not None:
@@ -154,15 +164,18 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affi
     once = rounding == "once"
     eps = None if eps is None else _args.number(eps, "eps")
     residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift, once, affine)
-    grad = needs_grad(residual, gate, y, scale, shift)
+    if norm_weight is not None:
+        norm_weight = _affine(norm_weight, "weight", residual, True)  # any float dtype: 1 + weight rounds to it
+    grad = needs_grad(residual, gate, y, scale, shift, norm_weight)
     chosen = choose_tier(residual.device.type, tier, grad)
     return _dispatch.run(residual, grad, _impl, _modulate_op, residual, gate, y, scale, shift,
-                         float(eps or 0.0), bool(clip), once, chosen, bool(affine))
+                         float(eps or 0.0), bool(clip), once, chosen, bool(affine), norm_weight)
 
 
 def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, *, clip: bool = False,
-               once: bool = False, addends: Optional[tuple] = None) -> list[torch.Tensor]:
+               once: bool = False, addends: Optional[tuple] = None,
+               norm_weight: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The op (``[h]``, ``[out]`` or ``[h, out]``, as :func:`_impl`) for a caller that has already checked what the
     public entries check: the fusion patterns (``patches/_modulate_calls``), which test the same conditions before
     they choose the fused path. Skipped: the argument checks (plain ``torch.Tensor``s of a served dtype on one
@@ -172,10 +185,11 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
     the result without costing much: unit-stride copies, a forced tier, the PyTorch tier when autograd records.
     Not the affine form. Wrong arguments here are the caller's bug: they may fail inside the kernel.
 
-    ``addends`` (``once`` only): ``(gate2, scale2, shift2)``, each vector given (not None) then the fp32 sum of its
-    two terms, added in the kernel as torch adds them: Wan 2.2 TI2V's ``scale_shift_table + temb.float()`` without
-    its ``[B, S, 6, D]`` fp32 tensor. Each term ``[B, D]`` (the table row, expanded: batch stride 0) or ``[B, S, D]``
-    (the per-token temb's chunk, any row strides)."""
+    ``addends``: ``(gate2, scale2, shift2)``, each vector given (not None) then the sum of its two terms, added in
+    the kernel as torch adds them: ``once``, Wan 2.2 TI2V's fp32 ``scale_shift_table + temb.float()`` without its
+    ``[B, S, 6, D]`` fp32 tensor; else Krea 2's ``temb + scale_shift_table`` (one dtype, the sum rounded). Each term
+    ``[B, D]`` (the table row, expanded: batch stride 0) or ``[B, S or 1, D]`` (a temb chunk, any row strides).
+    ``norm_weight``: Krea 2's zero-centered RMSNorm (``1 + weight``, any float dtype) in place of the LayerNorm."""
     # Unit-stride rows, as _prepare makes them; written out: five calls of a helper cost more than the rest here.
     if residual.stride(-1) != 1:
         residual = residual.contiguous()
@@ -188,12 +202,13 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
     if shift is not None and shift.stride(-1) != 1:
         shift = shift.contiguous()
     # Inference runs without grad mode: then nothing else is read.
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (residual, gate, y, scale, shift))
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (residual, gate, y, scale, shift, norm_weight))
     if addends is not None:
         addends = tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in addends)
         grad = grad or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in addends))
     tier = choose_tier(residual.device.type, None, grad)
-    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, addends)
+    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, norm_weight, addends)
 
 
 def layer_norm_modulate(
@@ -280,4 +295,25 @@ def gate_residual_layer_norm(
     if weight is None or bias is None:
         raise ValueError("weight and bias must both be tensors")
     h, out = _run(residual, gate, y, weight, bias, eps, clip_fp16, tier, True, rounding, affine=True)
+    return h, out
+
+
+def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
+                      eps: float = 1e-5, tier: Optional[str] = None) -> torch.Tensor:
+    """``(1 + scale) * RMSNorm0(x) + shift`` with Krea 2's zero-centered RMSNorm (``weight``: its ``[D]`` weight,
+    any float dtype), rounded as diffusers' ``Krea2TransformerBlock``."""
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    return _run(x, None, None, scale, shift, eps, False, tier, False, "each", norm_weight=weight)[0]
+
+
+def gate_residual_rms_norm_modulate(
+    residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, *, eps: float = 1e-5, tier: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + gate * y`` and ``(1 + scale) * RMSNorm0(h) + shift`` (Krea 2's zero-centered RMSNorm) in one
+    pass: ``(h, out)``."""
+    if not isinstance(weight, torch.Tensor):
+        raise ValueError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    h, out = _run(residual, gate, y, scale, shift, eps, False, tier, True, "each", norm_weight=weight)
     return h, out

@@ -47,12 +47,21 @@ def layer_norm_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """diffusers 0.42.1 ``Krea2RMSNorm.forward``, verbatim: fp32 statistics, ``1 + weight``, one rounding."""
+    dtype = x.dtype
+    x = F.rms_norm(x.float(), (x.shape[-1],), weight=weight + 1.0, eps=eps)
+    return x.to(dtype)
+
+
 def apply(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-          once: bool = False, affine: bool = False) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+          once: bool = False, affine: bool = False, norm_weight: Optional[torch.Tensor] = None
+          ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(h, out) for the forms, as the Triton kernel computes them (the arguments of its ``launch``):
     ``y`` without ``gate`` is a plain residual add (Wan: ``hidden_states + attn_output``); ``affine``:
-    ``scale``/``shift`` are a LayerNorm's weight and bias."""
+    ``scale``/``shift`` are a LayerNorm's weight and bias; ``norm_weight``: Krea 2's zero-centered RMSNorm in place
+    of the LayerNorm (``(1.0 + scale) * norm(h) + shift``, diffusers' ``Krea2TransformerBlock``)."""
     gate = _tokens(gate)
     if not affine:  # affine: scale and shift are the LayerNorm's [D] weight and bias
         scale, shift = _tokens(scale), _tokens(shift)
@@ -63,7 +72,9 @@ def apply(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
     elif y is not None:
         h = _clip_fp16(residual + y, clip)
     out = None
-    if scale is not None and affine:
+    if scale is not None and norm_weight is not None:
+        out = (1.0 + scale) * zero_centered_rms_norm(h, norm_weight, eps) + shift
+    elif scale is not None and affine:
         out = layer_norm_affine(h, scale, shift, eps, once)
     elif scale is not None:
         out = _once(layer_norm_modulate, h, scale, shift, eps=eps) if once else layer_norm_modulate(h, scale, shift, eps)

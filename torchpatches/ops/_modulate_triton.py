@@ -6,13 +6,16 @@ ROWS token rows per program (``[B, S, D]`` views, last dim unit-stride, any row 
     h   = round(residual + y)                          (PLAIN: a residual add without gate, Wan's cross-attn)
     out = round(round(round(LN(h)) * round(1 + scale)) + shift)   (HAS_NORM; LN without affine)
     out = round(LN(h) * weight + bias)                 (HAS_NORM and AFFINE: an affine LayerNorm, one rounding)
+    out = round(round(round(h * rstd * w1) * round(1 + scale)) + shift)   (HAS_NORM and RMS: Krea 2's zero-centered
+          RMSNorm in place of LN, rstd = rsqrt(mean(h^2) + eps), w1 = 1 + weight rounded to the weight's dtype)
 
 ``round`` is a rounding to the tensors' dtype at exactly the points where diffusers' eager code
 rounds (each bf16/fp16 op rounds its fp32 result), so outputs match diffusers bit for bit except
 where the LayerNorm statistics (fp32, another summation order) differ in their last bit. With
 ``MID`` = 0 (rounding once, Wan's ``.type_as``) only the stored results are rounded; the vectors may be of any float dtype.
 ``gate``, ``scale`` and ``shift`` are ``[B, S or 1, D]`` views (stride 0 over S when shared); with ``TWO_TERM`` each
-is the fp32 sum of two such views (Wan 2.2 TI2V's ``scale_shift_table + temb.float()``, never materialized).
+is the sum of two such views, never materialized: fp32 with ``MID`` = 0 (Wan 2.2 TI2V's ``scale_shift_table +
+temb.float()``), rounded to the dtype otherwise (Krea 2's ``temb + scale_shift_table`` in bf16).
 
 This module imports triton: import it only when the Triton tier is used.
 """
@@ -30,14 +33,14 @@ from ._runtime.triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_comb
 
 
 def _modulate_kernel(
-    res_ptr, gate_ptr, y_ptr, scale_ptr, shift_ptr, h_ptr, out_ptr, gate2_ptr, scale2_ptr, shift2_ptr,
+    res_ptr, gate_ptr, y_ptr, scale_ptr, shift_ptr, h_ptr, out_ptr, gate2_ptr, scale2_ptr, shift2_ptr, nw_ptr,
     NROWS, S, D, eps,
     r_sb, r_ss, g_sb, g_ss, y_sb, y_ss, c_sb, c_ss, t_sb, t_ss, h_sb, h_ss, o_sb, o_ss,
     g2_sb, g2_ss, c2_sb, c2_ss, t2_sb, t2_ss,
     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr, LIBDEVICE: tl.constexpr,
     MID: tl.constexpr, PLAIN: tl.constexpr = False, AFFINE: tl.constexpr = False, HAS_RES: tl.constexpr = False,
-    TWO_TERM: tl.constexpr = False,
+    TWO_TERM: tl.constexpr = False, RMS: tl.constexpr = False, W_KIND: tl.constexpr = 0,
 ):
     # ROWS token rows per program, [ROWS, BLOCK_D] tiles. The activations' loads are issued together so
     # their latencies overlap; the modulation vectors (L2 hits shared by every row of a sample) are loaded
@@ -54,7 +57,8 @@ def _modulate_kernel(
     if HAS_GATE:
         g = tl.load(gate_ptr + (b * g_sb + s * g_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         if TWO_TERM:  # Wan 2.2 TI2V: table + per-token temb, the fp32 add torch makes before chunking
-            g = g + tl.load(gate2_ptr + (b * g2_sb + s * g2_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+            g = _round_to(g + tl.load(gate2_ptr + (b * g2_sb + s * g2_ss)[:, None] + d[None, :], mask=m, other=0.0
+                                      ).to(tl.float32), MID)
     if HAS_RES:
         y = tl.load(y_ptr + (b * y_sb + s * y_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_GATE:
@@ -66,21 +70,29 @@ def _modulate_kernel(
             x = tl.where(x > 65504.0, 65504.0, tl.where(x < -65504.0, -65504.0, x))
         tl.store(h_ptr + (b * h_sb + s * h_ss)[:, None] + d[None, :], x.to(ty), mask=m)
     if HAS_NORM:
-        mean = tl.reduce(x, 1, _sum_combine) / D
-        xc = tl.where(m, x - mean[:, None], 0.0)
-        var = tl.reduce(xc * xc, 1, _sum_combine) / D
-        rstd = _rsqrt(var + eps, LIBDEVICE)
+        if RMS:  # Krea 2: F.rms_norm(h.float(), weight=weight + 1.0) (fp32 statistics, no mean)
+            xc = x
+            rstd = _rsqrt(tl.reduce(x * x, 1, _sum_combine) / D + eps, LIBDEVICE)
+        else:
+            mean = tl.reduce(x, 1, _sum_combine) / D
+            xc = tl.where(m, x - mean[:, None], 0.0)
+            var = tl.reduce(xc * xc, 1, _sum_combine) / D
+            rstd = _rsqrt(var + eps, LIBDEVICE)
         sc = tl.load(scale_ptr + (b * c_sb + s * c_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         sh = tl.load(shift_ptr + (b * t_sb + s * t_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         if TWO_TERM:
-            sc = sc + tl.load(scale2_ptr + (b * c2_sb + s * c2_ss)[:, None] + d[None, :], mask=m, other=0.0
-                              ).to(tl.float32)
-            sh = sh + tl.load(shift2_ptr + (b * t2_sb + s * t2_ss)[:, None] + d[None, :], mask=m, other=0.0
-                              ).to(tl.float32)
+            sc = _round_to(sc + tl.load(scale2_ptr + (b * c2_sb + s * c2_ss)[:, None] + d[None, :], mask=m,
+                                        other=0.0).to(tl.float32), MID)
+            sh = _round_to(sh + tl.load(shift2_ptr + (b * t2_sb + s * t2_ss)[:, None] + d[None, :], mask=m,
+                                        other=0.0).to(tl.float32), MID)
         if AFFINE:  # torch's LayerNorm with weight and bias: fp32 throughout, one rounding
             o = _round_to(xc * rstd[:, None] * sc + sh, KIND)
         else:
-            n = _round_to(xc * rstd[:, None], MID)
+            if RMS:  # 1 + weight in the weight's dtype, the product in fp32 and rounded once (``.to(dtype)``)
+                w1 = _round_to(tl.load(nw_ptr + d, mask=d < D, other=0.0).to(tl.float32) + 1.0, W_KIND)
+                n = _round_to((xc * rstd[:, None]) * w1[None, :], MID)
+            else:
+                n = _round_to(xc * rstd[:, None], MID)
             u = _round_to(_mul_rn(n, _round_to(1.0 + sc, MID), LIBDEVICE), MID)
             o = _round_to(u + sh, KIND)
         tl.store(out_ptr + (b * o_sb + s * o_ss)[:, None] + d[None, :], o.to(ty), mask=m)
@@ -116,7 +128,8 @@ def _rows(t: Optional[torch.Tensor]) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=256)
 def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bool, has_res: bool, has_norm: bool,
-                      clip: bool, once: bool, affine: bool, two_term: bool = False) -> Mapping[str, Any]:
+                      clip: bool, once: bool, affine: bool, two_term: bool = False,
+                      w_kind: Optional[int] = None) -> Mapping[str, Any]:
     """The kernel's constexprs and launch options (``ROWS``: rows per program) of one form: built once, not per
     call."""
     cfg = pick_config(block_d, not cuda)
@@ -124,7 +137,7 @@ def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bo
         BLOCK_D=block_d, ROWS=int(cfg["ROWS"]), KIND=KINDS[dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and dtype == torch.float16), LIBDEVICE=cuda, MID=0 if once else KINDS[dtype],
         num_warps=int(cfg["num_warps"]), PLAIN=has_res and not has_gate, AFFINE=affine, HAS_RES=has_res,
-        TWO_TERM=two_term,
+        TWO_TERM=two_term, RMS=w_kind is not None, W_KIND=w_kind or 0,
     ))
 
 
@@ -142,11 +155,13 @@ def launch(
     once: bool = False,
     affine: bool = False,
     addends: Optional[tuple] = None,
+    norm_weight: Optional[torch.Tensor] = None,
 ) -> None:
     """``residual``, ``y`` and the outputs ``[B, S, D]``, the vectors ``[B, D]`` or ``[B, S or 1, D]``, all
     with a unit-stride last dim (checked by ``ops/_modulate.py``); ``affine``: ``scale``/``shift`` are the
     LayerNorm's ``[D]`` weight and bias; ``addends``: ``(gate2, scale2, shift2)`` added to the vectors in fp32
-    (``once`` only, every vector given as two terms: Wan 2.2 TI2V's ``scale_shift_table`` and per-token temb)."""
+    (every vector given as two terms: Wan 2.2 TI2V's ``scale_shift_table`` and per-token temb, Krea 2's temb and
+    table); ``norm_weight``: the ``[D]`` weight of a zero-centered RMSNorm (Krea 2's) in place of the LayerNorm."""
     B, S, D = residual.shape
     if B * S == 0:
         return
@@ -156,7 +171,7 @@ def launch(
     cuda = residual.device.type == "cuda"
     two_term = addends is not None
     key = (next_pow2(D), residual.dtype, cuda, has_gate, has_res, has_norm, bool(clip), bool(once), bool(affine),
-           two_term)
+           two_term, None if norm_weight is None else KINDS[norm_weight.dtype])
     constexprs = _launch_constants(*key)
     dummy = residual
     h = h_out if h_out is not None else n_out
@@ -168,7 +183,7 @@ def launch(
         residual, gate if has_gate else dummy, y if has_res else dummy,
         scale if has_norm else dummy, shift if has_norm else dummy, h, o,
         *((t if t is not None else dummy) for t in (addends or (None, None, None))),
-        B * S, S, D, float(eps),
+        norm_weight if norm_weight is not None else dummy, B * S, S, D, float(eps),
         r_sb, r_ss, *_rows(gate), *_rows(y), *_rows(scale), *_rows(shift), h_sb, h_ss, o_sb, o_ss,
         *(stride for t in (addends or (None, None, None)) for stride in _rows(t)),
     ), constexprs)

@@ -26,7 +26,11 @@ Options for other models (SD3's ``JointAttnProcessor2_0``):
 - ``text_first=False``: image rows first, as ``torch.cat([img, txt])`` (SD3's order; FLUX puts text first);
 - ``rounding="each"``: diffusers' own ``RMSNorm`` (``normalization.RMSNorm``), which rounds ``x * rstd`` to
   the weight's dtype before multiplying by the weight (two roundings); the default ``"once"`` is
-  ``torch.nn.RMSNorm``'s fused kernel (``x * rstd * w`` rounded once).
+  ``torch.nn.RMSNorm``'s fused kernel (``x * rstd * w`` rounded once); ``"zero_centered"`` is Krea 2's
+  ``Krea2RMSNorm`` (``F.rms_norm(x.float(), weight=w + 1.0).to(x.dtype)``: ``1 + w`` in the weight's dtype, which
+  may be any float dtype, then as ``"once"``).
+- ``k_repeat=r`` (GQA, no text tensors): k has ``H / r`` heads; the returned k is normalized, rotated and repeated
+  ``r`` times over heads (``repeat_interleave(r, dim=2)``, Krea 2's order), so it has q's heads.
 - ``rope="half_each"``: Ideogram 4's RoPE (``transformer_ideogram4.Ideogram4AttnProcessor``): half-split pairs
   ``(n[j], n[j + D/2])``, ``rotate_half(n) = cat(-n[D/2:], n[:D/2])``, tables of q's dtype (the model casts
   them), and ``n * cos + rotate_half(n) * sin`` in q's dtype, every product and the sum rounded on its own
@@ -56,8 +60,9 @@ from ._runtime.tiers import choose_tier, force_tier, needs_grad
 
 __all__ = ["qk_norm_rope", "prechecked", "force_tier", "ROUNDINGS", "ROPES"]
 
-#: ``"once"``: torch.nn.RMSNorm (one rounding); ``"each"``: diffusers' RMSNorm (``x * rstd`` rounded, then ``* w``).
-ROUNDINGS = ("once", "each")
+#: ``"once"``: torch.nn.RMSNorm (one rounding); ``"each"``: diffusers' RMSNorm (``x * rstd`` rounded, then ``* w``);
+#: ``"zero_centered"``: Krea 2's RMSNorm (``1 + w``, fp32 compute, one rounding).
+ROUNDINGS = ("once", "each", "zero_centered")
 #: ``"interleaved"``: pairs ``(n[2i], n[2i+1])``, fp32 tables and math, rounded once (FLUX, QwenImage, Z-Image);
 #: ``"half_each"``: pairs ``(n[j], n[j + D/2])``, tables and every op in q's dtype, each rounded (Ideogram 4).
 ROPES = ("interleaved", "half_each")
@@ -97,8 +102,16 @@ def _rms_norm_each(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return x * w
 
 
-def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, each, half):
-    norm = (lambda x, w, e: _rms_norm_each(x, w, e)) if each else (lambda x, w, e: F.rms_norm(x, (x.shape[-1],), w, e))
+def _rms_norm_zero_centered(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # diffusers.models.transformers.transformer_krea2.Krea2RMSNorm.forward, verbatim.
+    dtype = x.dtype
+    x = F.rms_norm(x.float(), (x.shape[-1],), weight=w + 1.0, eps=eps)
+    return x.to(dtype)
+
+
+def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, half, k_repeat):
+    norm = {"each": _rms_norm_each, "zero_centered": _rms_norm_zero_centered}.get(
+        rounding, lambda x, w, e: F.rms_norm(x, (x.shape[-1],), w, e))
     join = (lambda t, i: torch.cat([t, i], dim=1)) if text_first else (lambda t, i: torch.cat([i, t], dim=1))
     q = norm(q, wq, eps[0])
     k = norm(k, wk, eps[1])
@@ -106,22 +119,24 @@ def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first
         q = join(norm(qt, wqt, eps[2]), q)
         k = join(norm(kt, wkt, eps[3]), k)
         v = join(vt, v)
-    if cos is None:
-        return [q, k, v]
-    rot = _rope_half_torch if half else _rope_torch
-    return [rot(q, cos, sin), rot(k, cos, sin), v]
+    if cos is not None:
+        rot = _rope_half_torch if half else _rope_torch
+        q, k = rot(q, cos, sin), rot(k, cos, sin)
+    if k_repeat > 1:  # Krea2AttnProcessor: key.repeat_interleave(num_key_value_groups, dim=2) after the rotation
+        k = k.repeat_interleave(k_repeat, dim=2)
+    return [q, k, v]
 
 
 # ------------------------------------------------------------------------------------------ dispatch
 
 
 def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, rope,
-          tier) -> list[torch.Tensor]:
+          tier, k_repeat=1) -> list[torch.Tensor]:
     eps = tuple(eps)
     each = rounding == "each"
     half = rope == "half_each"
     if tier == "torch":
-        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, each, half)
+        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, half, k_repeat)
     kernels = _triton_tier()
     B, S, H, D = q.shape
     S_all = S + (qt.shape[1] if qt is not None else 0)
@@ -133,7 +148,7 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, roun
         q, k, v, qt, kt, vt, wq, wk, wqt, wkt = qt, kt, vt, q, k, v, wqt, wkt, wq, wk
         eps = (eps[2], eps[3], eps[0], eps[1])
     kernels.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out, each=each,
-                   half_split=half)
+                   half_split=half, zero_centered=rounding == "zero_centered", k_repeat=k_repeat)
     return [q_out, k_out, v_out if v_out is not None else v]
 
 
@@ -147,16 +162,16 @@ def _qk_norm_rope_op(q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]
                      k_weight: torch.Tensor, q_txt_weight: Optional[torch.Tensor],
                      k_txt_weight: Optional[torch.Tensor], eps: list[float], cos: Optional[torch.Tensor],
                      sin: Optional[torch.Tensor], text_first: bool, rounding: str, rope: str,
-                     tier: str) -> list[torch.Tensor]:
+                     tier: str, k_repeat: int = 1) -> list[torch.Tensor]:
     outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, tuple(eps),
-                 cos, sin, text_first, rounding, rope, tier)
+                 cos, sin, text_first, rounding, rope, tier, k_repeat)
     # A custom op may not return an input (v without text tensors): hand back a copy when traced.
     return [o.clone() if o is v else o for o in outs if o is not None]
 
 
 @_qk_norm_rope_op.register_fake
 def _(q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, eps, cos, sin, text_first,
-      rounding, rope, tier):
+      rounding, rope, tier, k_repeat=1):
     B, S, H, D = q.shape
     S_all = S + (q_txt.shape[1] if q_txt is not None else 0)
     n = 3 if v is not None else 2
@@ -180,13 +195,15 @@ def _check_4d(t: Optional[torch.Tensor], name: str, ref: Optional[torch.Tensor])
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _check_weight(w: Optional[torch.Tensor], name: str, q: torch.Tensor) -> Optional[torch.Tensor]:
+def _check_weight(w: Optional[torch.Tensor], name: str, q: torch.Tensor, any_dtype: bool = False
+                  ) -> Optional[torch.Tensor]:
     if w is None:
         return None
     if not isinstance(w, torch.Tensor) or w.shape != (q.shape[-1],):
         raise ValueError(f"{name} must be a [{q.shape[-1]}] tensor, got "
                          f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
-    if w.dtype != q.dtype or w.device != q.device:
+    if (w.dtype != q.dtype and not (any_dtype and w.dtype in (torch.float32, torch.bfloat16, torch.float16))) \
+            or w.device != q.device:
         # torch.nn.RMSNorm only runs its fused kernel (one rounding) when the dtypes match.
         raise ValueError(f"{name} is {w.dtype} on {w.device}; expected {q.dtype} on {q.device}")
     return w.contiguous()
@@ -246,7 +263,7 @@ def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], si
                q_txt: Optional[torch.Tensor] = None, k_txt: Optional[torch.Tensor] = None,
                v_txt: Optional[torch.Tensor] = None, q_txt_weight: Optional[torch.Tensor] = None,
                k_txt_weight: Optional[torch.Tensor] = None, rounding: str = "once",
-               rope: str = "interleaved") -> tuple:
+               rope: str = "interleaved", k_repeat: int = 1) -> tuple:
     """:func:`qk_norm_rope` (text first; ``eps``: the four floats ``(q, k, q_txt, k_txt)``; ``rounding`` and
     ``rope`` as there, unchecked: one of ``ROUNDINGS`` / ``ROPES``)
     for a caller that has made its checks: the FLUX ``qk_norm_rope`` pattern (``patches/qk_norm_rope``), which
@@ -254,11 +271,14 @@ def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], si
     (``[S_txt + S, D]`` there; ``[B or 1, S_txt + S, D]`` would work too, unchecked like the rest),
     stock RMSNorm weights, no expanded view, and nothing traced or transformed. Skipped: those checks (about
     30 us of Python per call on a 2-core CPU, 57 calls per FLUX.1 step). Kept: what the kernel needs (unit-stride
-    head dims, one set of strides per group) and the tier choice (a forced tier, autograd recording)."""
+    head dims, one set of strides per group) and the tier choice (a forced tier, autograd recording).
+    ``k_repeat`` > 1 (Krea 2's GQA): k with ``H / k_repeat`` heads, no text tensors, read with its own strides."""
     joint = q_txt is not None
     if joint:
         q, k, v = _same_strides([_unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)])
         q_txt, k_txt, v_txt = _same_strides([_unit_head_dim(q_txt), _unit_head_dim(k_txt), _unit_head_dim(v_txt)])
+    elif k_repeat > 1:
+        q, k = _unit_head_dim(q), _unit_head_dim(k)
     else:
         q, k = _same_strides([_unit_head_dim(q), _unit_head_dim(k)])
     tensors = (q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, cos, sin)
@@ -266,7 +286,7 @@ def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], si
     tier = choose_tier(q.device.type, None, grad)
     outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight.contiguous(), k_weight.contiguous(),
                  q_txt_weight.contiguous() if joint else None, k_txt_weight.contiguous() if joint else None,
-                 eps, cos, sin, True, rounding, rope, tier)
+                 eps, cos, sin, True, rounding, rope, tier, k_repeat)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)
 
 
@@ -292,6 +312,7 @@ def qk_norm_rope(
     text_first: bool = True,
     rounding: str = "once",
     rope: str = "interleaved",
+    k_repeat: int = 1,
     tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """RMSNorm q and k per head, concat text rows in front (or behind: ``text_first=False``) if given,
@@ -301,9 +322,13 @@ def qk_norm_rope(
         ValueError: on any input that does not fit, before anything is computed.
     """
     q = _check_4d(q, "q", None)
-    k = _check_4d(k, "k", q)
-    if k.shape != q.shape:
-        raise ValueError(f"k shape {tuple(k.shape)} differs from q {tuple(q.shape)}")
+    if type(k_repeat) is not int or k_repeat < 1 or q.shape[2] % k_repeat:
+        raise ValueError(f"k_repeat must be a positive int dividing q's {q.shape[2]} heads, got {k_repeat!r}")
+    k = _check_4d(k, "k", q[:, :, ::k_repeat])
+    if k.shape != q[:, :, ::k_repeat].shape:
+        raise ValueError(f"k shape {tuple(k.shape)} differs from q {tuple(q.shape)} with q's heads / k_repeat")
+    if k_repeat > 1 and q_txt is not None:
+        raise ValueError("k_repeat > 1 takes no text tensors")
     if not isinstance(rope, str) or rope not in ROPES:
         raise ValueError(f"rope must be one of {ROPES}, got {rope!r}")
     rotates = _check_rope_args(cos, sin)
@@ -327,10 +352,16 @@ def qk_norm_rope(
         qt, kt, vt = _same_strides([qt, kt, vt])
     else:
         qt = kt = vt = None
-        q, k = _same_strides([q, k])
-    wq, wk = _check_weight(q_weight, "q_weight", q), _check_weight(k_weight, "k_weight", q)
-    wqt = _check_weight(q_txt_weight, "q_txt_weight", q) if joint else None
-    wkt = _check_weight(k_txt_weight, "k_txt_weight", q) if joint else None
+        if k_repeat == 1:
+            q, k = _same_strides([q, k])
+    zc = rounding == "zero_centered"  # Krea 2's weights: any float dtype (its checkpoints keep them in fp32)
+    wq, wk = _check_weight(q_weight, "q_weight", q, zc), _check_weight(k_weight, "k_weight", q, zc)
+    if wq.dtype != wk.dtype:
+        raise ValueError(f"q_weight is {wq.dtype}, k_weight {wk.dtype}: one dtype")
+    wqt = _check_weight(q_txt_weight, "q_txt_weight", q, zc) if joint else None
+    wkt = _check_weight(k_txt_weight, "k_txt_weight", q, zc) if joint else None
+    if joint and not (wqt.dtype == wkt.dtype == wq.dtype):
+        raise ValueError("the text weights must have the image weights' dtype")
     if rotates:
         _check_tables(cos, sin, q, q.shape[1] + (qt.shape[1] if joint else 0), rope)
     if v is not None and not isinstance(v, torch.Tensor):
@@ -341,5 +372,5 @@ def qk_norm_rope(
     grad = needs_grad(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, cos, sin)
     chosen = choose_tier(q.device.type, tier, grad)
     outs = _dispatch.run(q, grad, _impl, _qk_norm_rope_op, q, k, v, qt, kt, vt, wq, wk, wqt, wkt, list(eps), cos,
-                         sin, bool(text_first), rounding, rope, chosen)
+                         sin, bool(text_first), rounding, rope, chosen, k_repeat)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)

@@ -10,6 +10,8 @@ Per q/k head (fp32 math, rounding where diffusers rounds):
 
     n   = round(x * rsqrt(mean(x^2) + eps) * w)          torch.nn.RMSNorm (torch's fused kernel)
     n   = round(round(x * rsqrt(mean(x^2) + eps)) * w)   EACH: diffusers' RMSNorm (SD3's q/k norms)
+    w   = round_w(1 + w)                                  ZERO_CENTERED: Krea 2's RMSNorm (``1 + weight`` in the
+                                                          weight's dtype, W_KIND), then the first form
     out = round(n * cos + rotate(n) * sin)               diffusers apply_rotary_emb, interleaved pairs
                                                          (ROPE false: out = n)
     out = round(round(n * cos) + round(rotate_half(n) * sin))
@@ -29,6 +31,10 @@ tables (fp32, or the output dtype with HALF_SPLIT) are read at ``b * c_sb + s * 
 sample ``b``, element ``j``): ``[S_tot, D]`` tables (and ``[1, S_tot, D]`` ones) get a batch stride of 0,
 per-sample ``[B, S_tot, D]`` ones their own (0 too where expanded); unit-stride last dim.
 
+GQA (``REP`` > 1, no text group): k has ``H / REP`` heads; output head ``h`` of k reads k's head ``h // REP``
+(``repeat_interleave(REP, dim=2)`` after the rotation, as Krea 2's processor does it), so k's output has q's heads.
+k is read with strides of its own (``k_sb, k_ss, k_sh``).
+
 This module imports triton: import it only when the Triton tier is used.
 """
 from __future__ import annotations
@@ -47,9 +53,10 @@ def _qk_norm_rope_kernel(
     wq_ptr, wk_ptr, wqt_ptr, wkt_ptr, cos_ptr, sin_ptr,
     qo_ptr, ko_ptr, vo_ptr,
     S_TXT, S_TOT, H, NHB, eps_q, eps_k, eps_qt, eps_kt,
-    i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sb, c_sr, s_sb, s_sr,
+    i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sb, c_sr, s_sb, s_sr, k_sb, k_ss, k_sh,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr, LIBDEVICE: tl.constexpr,
-    ROPE: tl.constexpr, EACH: tl.constexpr, HALF_SPLIT: tl.constexpr,
+    ROPE: tl.constexpr, EACH: tl.constexpr, HALF_SPLIT: tl.constexpr, ZERO_CENTERED: tl.constexpr = False,
+    W_KIND: tl.constexpr = 0, REP: tl.constexpr = 1,
 ):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // S_TOT
@@ -87,6 +94,7 @@ def _qk_norm_rope_kernel(
             x_ptr = k_ptr
             w_ptr = wk_ptr
             eps = eps_k
+            row = b * k_sb + (s - S_TXT) * k_ss + (h // REP) * k_sh  # GQA: k's head h // REP
         else:
             x_ptr = v_ptr
             w_ptr = wq_ptr
@@ -99,6 +107,8 @@ def _qk_norm_rope_kernel(
     else:
         x = tl.load(x_ptr + src, mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + j, mask=j < D, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:  # Krea 2: weight + 1.0, in the weight's dtype
+            w = _round_to(w + 1.0, W_KIND)
         rstd = _rsqrt(tl.reduce(x * x, 1, _sum_combine) / D + eps, LIBDEVICE)
         if EACH:
             n = _round_to(_round_to(x * rstd[:, None], KIND) * w[None, :], KIND)
@@ -113,6 +123,8 @@ def _qk_norm_rope_kernel(
             pj = tl.where(lo, j + D // 2, j - D // 2)
             xp = tl.load(x_ptr + row[:, None] + pj[None, :], mask=m, other=0.0).to(tl.float32)
             wp = tl.load(w_ptr + pj, mask=j < D, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                wp = _round_to(wp + 1.0, W_KIND)
             if EACH:
                 npart = _round_to(_round_to(xp * rstd[:, None], KIND) * wp[None, :], KIND)
             else:
@@ -159,12 +171,13 @@ def launch(
     eps: tuple[float, float, float, float],
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor], each: bool = False,
-    half_split: bool = False,
+    half_split: bool = False, zero_centered: bool = False, k_repeat: int = 1,
 ) -> None:
     """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``.
     ``cos``/``sin``: ``[S, D]`` or ``[B or 1, S, D]`` (unit-stride last dim), or None: no RoPE; ``each``: diffusers'
     RMSNorm rounding, ``half_split``: Ideogram 4's half-split RoPE, tables of the output dtype (see the module
-    docstring)."""
+    docstring); ``zero_centered``: Krea 2's ``1 + weight``; ``k_repeat``: GQA, k with ``H / k_repeat`` heads (no
+    text tensors), written repeated."""
     B, S_img, H, D = q.shape
     S_txt = qt.shape[1] if qt is not None else 0
     S_tot = S_txt + S_img
@@ -187,8 +200,10 @@ def launch(
         q.stride(0), q.stride(1), q.stride(2), txt.stride(0), txt.stride(1), txt.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         *(_table_strides(cos) if rope else (0, 0)), *(_table_strides(sin) if rope else (0, 0)),
+        k.stride(0), k.stride(1), k.stride(2),
     ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
-        ROPE=rope, EACH=bool(each), HALF_SPLIT=bool(half_split) and rope,
+        ROPE=rope, EACH=bool(each), HALF_SPLIT=bool(half_split) and rope, ZERO_CENTERED=bool(zero_centered),
+        W_KIND=KINDS[wq.dtype] if zero_centered else 0, REP=int(k_repeat),
         num_warps=2 if block_h * 2 * half >= 512 else 1,
     ))

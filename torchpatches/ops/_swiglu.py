@@ -7,6 +7,7 @@ Usable without any patching::
     swiglu(x, out=buf[..., :F])        # write into a (strided) slice of a larger buffer
     y = swiglu(x, up)                  # x, up [..., F] -> silu(x) * up, [..., F]
     swiglu(x, up, out=buf[..., :F])
+    y = swiglu(gate, h, activation="sigmoid")   # sigmoid(gate) * h: Krea 2's attention output gate (GLU)
 
 ``x`` (and ``up``) may be strided views (unit-stride last dim), e.g. the MLP part of FLUX.2's fused
 QKV+MLP projection; a view whose last dim is not unit-stride, or whose leading dims do not flatten to rows
@@ -14,7 +15,8 @@ without a copy, is copied first. ``up`` must have ``x``'s shape, dtype and devic
 dtype and device, shape ``[..., F]`` and a unit-stride last dim, and its leading dims must flatten to rows
 without a copy; it must be writable and must not share memory with ``x`` or ``up`` (``ValueError`` before
 anything is written, ``_memory``). ``prechecked(x, up)``: the two-input form without the checks, for the
-fusion patterns.
+fusion patterns. ``activation="sigmoid"`` (two-input form): ``sigmoid(x) * up`` (Krea 2's ``hidden_states *
+torch.sigmoid(gate)``), rounded after the sigmoid and after the product as there.
 
 Numerics: diffusers' ``Flux2SwiGLU`` (and the two-input feed-forwards) round after ``silu`` and after the
 product; so does the kernel. ``silu`` is ``x / (1 + exp(-x))`` in fp32 as in torch's kernel; Triton's ``exp``
@@ -37,7 +39,7 @@ from ._runtime import args as _args, dispatch as _dispatch
 from ._runtime.memory import check_out
 from ._runtime.tiers import choose_tier, force_tier, needs_grad
 
-__all__ = ["swiglu", "prechecked", "force_tier"]
+__all__ = ["swiglu", "prechecked", "force_tier", "ACTIVATIONS"]
 
 
 
@@ -62,15 +64,24 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous().view(-1, t.shape[-1])
 
 
-def _impl(x: torch.Tensor, out: torch.Tensor, tier: str, up: Optional[torch.Tensor] = None) -> None:
+#: The two-input form's activations: ``"silu"`` (SwiGLU), ``"sigmoid"`` (GLU: Krea 2's attention output gate).
+ACTIVATIONS = ("silu", "sigmoid")
+
+
+def _impl(x: torch.Tensor, out: torch.Tensor, tier: str, up: Optional[torch.Tensor] = None,
+          activation: str = "silu") -> None:
     if up is not None:
+        if tier == "torch" and activation == "sigmoid":
+            # Krea2AttnProcessor: hidden_states * torch.sigmoid(gate)
+            out.copy_(up * torch.sigmoid(x))
+            return
         if tier == "torch":
             # diffusers' two-input feed-forwards (Z-Image's FeedForward: self.w2(F.silu(self.w1(x)) * self.w3(x)))
             out.copy_(F.silu(x) * up)
             return
         from . import _swiglu_triton
 
-        _swiglu_triton.launch(_flat(x), _rows(out, "out"), _flat(up))
+        _swiglu_triton.launch(_flat(x), _rows(out, "out"), _flat(up), sigmoid=activation == "sigmoid")
         return
     half = x.shape[-1] // 2
     if tier == "torch":
@@ -83,12 +94,13 @@ def _impl(x: torch.Tensor, out: torch.Tensor, tier: str, up: Optional[torch.Tens
 
 
 @torch.library.custom_op("torchpatches::swiglu_out", mutates_args=("out",))
-def _swiglu_op(x: torch.Tensor, out: torch.Tensor, tier: str, up: Optional[torch.Tensor] = None) -> None:
-    _impl(x, out, tier, up)
+def _swiglu_op(x: torch.Tensor, out: torch.Tensor, tier: str, up: Optional[torch.Tensor] = None,
+               activation: str = "silu") -> None:
+    _impl(x, out, tier, up, activation)
 
 
 @_swiglu_op.register_fake
-def _(x, out, tier, up=None) -> None:
+def _(x, out, tier, up=None, activation="silu") -> None:
     return None
 
 
@@ -104,7 +116,8 @@ def _unit_rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def _swiglu_two(x: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor], tier: Optional[str]) -> torch.Tensor:
+def _swiglu_two(x: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor], tier: Optional[str],
+                activation: str = "silu") -> torch.Tensor:
     """The two-input form of :func:`swiglu`: checks, then the op."""
     if _args.float_tensor(x, "x").dim() < 1:
         raise ValueError("x must be a tensor with at least 1 dim [..., F]")
@@ -116,11 +129,11 @@ def _swiglu_two(x: torch.Tensor, up: torch.Tensor, out: Optional[torch.Tensor], 
     out = _output(x, out, tuple(x.shape), also={"up": up})
     grad = needs_grad(x, up, out)
     chosen = choose_tier(x.device.type, tier, grad)
-    _dispatch.run(x, grad, _impl, _swiglu_op, x, out, chosen, up)  # the PyTorch tier: differentiable through copy_
+    _dispatch.run(x, grad, _impl, _swiglu_op, x, out, chosen, up, activation)  # PyTorch tier: autograd through copy_
     return out
 
 
-def prechecked(x: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def prechecked(x: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """``swiglu(x, up)`` into a new contiguous tensor, for a caller that has already checked what the public entry
     checks: the fusion patterns, which test the same conditions before they choose the fused path. Skipped: the
     argument checks (plain ``torch.Tensor``s of one shape, a served dtype and one device) and the
@@ -135,7 +148,7 @@ def prechecked(x: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     grad = torch.is_grad_enabled() and (x.requires_grad or up.requires_grad)
     # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time (its arguments are parsed in C++)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    _impl(x, out, choose_tier(x.device.type, None, grad), up)
+    _impl(x, out, choose_tier(x.device.type, None, grad), up, activation)
     return out
 
 
@@ -154,16 +167,19 @@ def _output(x: torch.Tensor, out: Optional[torch.Tensor], shape: tuple, **kwargs
 
 @_dispatch.public
 def swiglu(x: torch.Tensor, up: Optional[torch.Tensor] = None, *, out: Optional[torch.Tensor] = None,
-           tier: Optional[str] = None) -> torch.Tensor:
-    """``silu(x[..., :F]) * x[..., F:]``, or ``silu(x) * up`` given ``up``; returns ``out`` (a new contiguous
-    tensor if not given).
+           activation: str = "silu", tier: Optional[str] = None) -> torch.Tensor:
+    """``silu(x[..., :F]) * x[..., F:]``, or ``silu(x) * up`` given ``up`` (``sigmoid(x) * up`` with
+    ``activation="sigmoid"``); returns ``out`` (a new contiguous tensor if not given).
 
     Raises:
         ValueError: on an odd last dim (one input), an ``up`` that is not a tensor of x's shape, dtype and device,
-            an unsupported dtype, or an ``out`` that does not fit.
+            an unsupported dtype, an ``out`` that does not fit, or another activation (one of ``ACTIVATIONS``; the
+            sigmoid with ``up`` only).
     """
+    if activation not in ACTIVATIONS or (activation != "silu" and up is None):
+        raise ValueError(f"activation must be one of {ACTIVATIONS} ('sigmoid' with up), got {activation!r}")
     if up is not None:
-        return _swiglu_two(x, up, out, tier)
+        return _swiglu_two(x, up, out, tier, activation)
     if _args.float_tensor(x, "x").dim() < 2:
         raise ValueError("x must be a tensor with at least 2 dims [..., 2F]")
     if x.shape[-1] % 2:

@@ -1,4 +1,5 @@
-"""Triton SwiGLU kernel: ``out = round(round(silu(gate)) * up)``, one pass.
+"""Triton SwiGLU kernel: ``out = round(round(silu(gate)) * up)`` (SIGMOID: ``round(round(sigmoid(gate)) * up)``,
+Krea 2's attention output gate), one pass.
 
 diffusers' ``Flux2SwiGLU`` runs ``silu`` (fp32 math, rounded) and the product (rounded) as two
 bf16 ops: three reads and two writes of ``[M, F]``; this reads each input once and writes ``out`` once,
@@ -22,13 +23,16 @@ from ._runtime.launch import launch as launch_kernel
 from ._runtime.triton_common import KINDS, _exp, _round_to, cdiv, for_devices
 
 def _swiglu_kernel(x_ptr, u_ptr, o_ptr, F, x_sr, u_sr, o_sr, u_off, BLOCK: tl.constexpr, KIND: tl.constexpr,
-                   LIBDEVICE: tl.constexpr):
+                   LIBDEVICE: tl.constexpr, SIGMOID: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < F
     a = tl.load(x_ptr + row * x_sr + c, mask=m, other=0.0).to(tl.float32)
     g = tl.load(u_ptr + row * u_sr + u_off + c, mask=m, other=0.0).to(tl.float32)
-    act = _round_to(a / (1.0 + _exp(-a, LIBDEVICE)), KIND)  # torch's silu: x / (1 + exp(-x))
+    if SIGMOID:  # torch's sigmoid: 1 / (1 + exp(-x))
+        act = _round_to(1.0 / (1.0 + _exp(-a, LIBDEVICE)), KIND)
+    else:
+        act = _round_to(a / (1.0 + _exp(-a, LIBDEVICE)), KIND)  # torch's silu: x / (1 + exp(-x))
     out = _round_to(act * g, KIND)
     tl.store(o_ptr + row * o_sr + c, out.to(o_ptr.dtype.element_ty), mask=m)
 
@@ -39,9 +43,9 @@ _interpreted_kernel = kernel_for.interpreted  # the CPU interpreter's kernel (te
 _CAP = 1024
 
 
-def launch(x: torch.Tensor, out: torch.Tensor, up: Optional[torch.Tensor] = None) -> None:
+def launch(x: torch.Tensor, out: torch.Tensor, up: Optional[torch.Tensor] = None, sigmoid: bool = False) -> None:
     """``out`` 2-D ``[M, F]``; ``x`` 2-D ``[M, 2F]`` (the gate then the up half) or, with ``up``, ``x`` and ``up``
-    2-D ``[M, F]``; all unit-stride columns, any row strides."""
+    2-D ``[M, F]``; all unit-stride columns, any row strides. ``sigmoid``: ``sigmoid(x) * up`` (GLU)."""
     M, N = out.shape
     if M * N == 0:
         return
@@ -52,4 +56,4 @@ def launch(x: torch.Tensor, out: torch.Tensor, up: Optional[torch.Tensor] = None
         args = (x, up, out, N, x.stride(0), up.stride(0), out.stride(0), 0)
     launch_kernel(kernel_for(x.device.type), (M, cdiv(N, block)), args,
                   dict(BLOCK=block, KIND=KINDS[out.dtype], LIBDEVICE=x.device.type == "cuda",
-                       num_warps=4 if block >= 1024 else 2))
+                       num_warps=4 if block >= 1024 else 2, SIGMOID=bool(sigmoid)))
