@@ -25,7 +25,7 @@ pytest.importorskip("diffusers")
 import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, MODELS, latents, output, reverted, run, tiny  # noqa: E402
 from diffusers.models import embeddings, normalization  # noqa: E402
-from diffusers.models.transformers import transformer_ideogram4  # noqa: E402
+from diffusers.models.transformers import transformer_ideogram4, transformer_krea2  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
 from torchpatches.ops._modulate import force_tier  # noqa: E402
 
@@ -231,6 +231,9 @@ REBINDS = {
     "hunyuanvideo15 F.pad": ("hunyuanvideo15", torch.nn.functional, "pad",
                              lambda real: lambda x, pad, mode="constant", value=None: real(
                                  x, pad, mode, False if value is True else value)),
+    "krea2 apply_rotary_emb": ("krea2", transformer_krea2, "apply_rotary_emb", lambda real: _identity_rope),
+    "krea2 Krea2RMSNorm.forward": ("krea2", transformer_krea2.Krea2RMSNorm, "forward", _half_layer_norm),
+    "krea2 F.silu": ("krea2", torch.nn.functional, "silu", lambda real: lambda x, inplace=False: real(x) * 0.5),
 }
 
 

@@ -238,7 +238,11 @@ FAMILIES: Dict[str, Family] = {
                  text_num_attention_heads=20, text_num_key_value_heads=20, text_intermediate_size=6912,
                  num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48)),
             ("num_layers",), ("transformer_blocks",), (28,), prod.krea2),
-        untargeted=("Krea2TransformerBlock", "Krea2AttnProcessor"), targeted=frozenset()),
+        # per main block 3 modulate + 1 swiglu (the SwiGLU); per attention call (2 blocks, 2 text-fusion blocks) one
+        # qk_norm_rope and one swiglu (the sigmoid output gate)
+        fused=_TWO, calls={"modulate": 6, "qk_norm_rope": 4, "swiglu": 6},
+        untargeted=("Krea2TextFusionBlock", "Krea2FinalLayer"), targeted=frozenset({
+            ("krea2", "Krea2TransformerBlock"), ("krea2", "Krea2AttnProcessor")})),
     # Wan2.2-TI2V-5B's block options (q/k RMSNorm across heads, affine cross-attention norm). Wan 2.2's class is
     # Wan 2.1's: the Wan patterns target it (their per-token timestep form is their business).
     "wan22-ti2v": Family(

@@ -1,7 +1,7 @@
 """One module per patch; each exports ``PATCH`` (a :class:`torchpatches._core.declare.Patch`)."""
 
 #: Patch modules in the order they apply and are reported: compile-time patches, the FLUX eager fusions, those
-#: of SD3, Wan, QwenImage, Z-Image / Ideogram 4 and HunyuanVideo 1.5, then peft's LoRA layers and diffusers' LoRA
+#: of SD3, Wan, QwenImage, Z-Image / Ideogram 4, HunyuanVideo 1.5 and Krea 2, then peft's LoRA layers and diffusers' LoRA
 #: scale walk, then context parallelism's collectives.
 PATCH_MODULES = (
     "inductor_realize", "inductor_opaque_strides", "inductor_fallback_log", "inductor_cpp_indirect_assert",
@@ -10,7 +10,7 @@ PATCH_MODULES = (
     "sd3_qk_norm", "sd3_block",
     "wan_block", "wan_qk_norm_rope",
     "qwenimage_block", "qwenimage_qk_norm_rope", "qwenimage_text_seq_len",
-    "rms_sandwich_block", "rms_sandwich_qk_norm_rope", "hunyuanvideo15",
+    "rms_sandwich_block", "rms_sandwich_qk_norm_rope", "hunyuanvideo15", "krea2",
     "lora", "lora_scale",
     "cp_all_to_all", "cp_ring_attention", "cp_ulysses_anything",
 )

@@ -63,6 +63,7 @@ ALIASES: Tuple[str, ...] = (
     "diffusers.models.transformers.transformer_flux:apply_rotary_emb",  # FLUX.1 (and Chroma, ControlNet, Kontext)
     "diffusers.models.transformers.transformer_flux2:apply_rotary_emb",  # FLUX.2
     "diffusers.models.transformers.transformer_flux3:apply_rotary_emb",  # FLUX.3 ("Copied from flux2")
+    "diffusers.models.transformers.transformer_krea2:apply_rotary_emb",  # Krea 2 (the krea2 pattern's fallback)
 )
 #: fingerprint(diffusers.models.embeddings.apply_rotary_emb) of every release the patch accepts, as
 #: measured (each wheel's source; tests check the installed release's entry). Two sources: 0.35.x and
