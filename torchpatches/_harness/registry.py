@@ -242,7 +242,9 @@ FAMILIES: Dict[str, Family] = {
         # qk_norm_rope and one swiglu (the sigmoid output gate)
         fused=_TWO, calls={"modulate": 6, "qk_norm_rope": 4, "swiglu": 6},
         untargeted=("Krea2TextFusionBlock", "Krea2FinalLayer"), targeted=frozenset({
-            ("krea2", "Krea2TransformerBlock"), ("krea2", "Krea2AttnProcessor")})),
+            ("krea2", "Krea2TransformerBlock"), ("krea2", "Krea2AttnProcessor")}),
+        lora=(("to_q", "to_k", "to_v", "to_gate", "to_out.0", "ff.gate", "ff.up", "ff.down"),
+              {"modulate": 6, "qk_norm_rope": 4, "swiglu": 6})),
     # Wan2.2-TI2V-5B's block options (q/k RMSNorm across heads, affine cross-attention norm). Wan 2.2's class is
     # Wan 2.1's: the Wan patterns target it (their per-token timestep form is their business).
     "wan22-ti2v": Family(
