@@ -25,7 +25,7 @@ pytest.importorskip("diffusers")
 import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, MODELS, latents, output, reverted, run, tiny  # noqa: E402
 from diffusers.models import embeddings, normalization  # noqa: E402
-from diffusers.models.transformers import transformer_ideogram4  # noqa: E402
+from diffusers.models.transformers import transformer_ideogram4, transformer_kandinsky6  # noqa: E402
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
 from torchpatches.ops._modulate import force_tier  # noqa: E402
 
@@ -231,6 +231,13 @@ REBINDS = {
     "hunyuanvideo15 F.pad": ("hunyuanvideo15", torch.nn.functional, "pad",
                              lambda real: lambda x, pad, mode="constant", value=None: real(
                                  x, pad, mode, False if value is True else value)),
+    "kandinsky6 apply_rotary": ("kandinsky6", transformer_kandinsky6, "apply_rotary", lambda real: lambda x, rope: x),
+    "kandinsky6 apply_gate_sum": ("kandinsky6", transformer_kandinsky6, "apply_gate_sum",
+                                  lambda real: lambda x, out, gate: real(x, out, gate * 0.5)),
+    "kandinsky6 apply_scale_shift": ("kandinsky6", transformer_kandinsky6, "apply_scale_shift",
+                                     lambda real: lambda normed, x, scale, shift: real(normed, x, scale, shift * 0)),
+    "kandinsky6 F.rms_norm": ("kandinsky6", torch.nn.functional, "rms_norm", _half_layer_norm),
+    "kandinsky6 F.layer_norm": ("kandinsky6", torch.nn.functional, "layer_norm", _half_layer_norm),
 }
 
 
