@@ -57,6 +57,17 @@ def _rows(x: Any) -> bool:
     return type(x) is torch.Tensor and x.dim() == 3
 
 
+def _attentions(dec: Any, x: torch.Tensor, t: torch.Tensor, rope: Any, text: Any, attn_mask: Any) -> tuple:
+    """One stream's self-attention and text cross-attention, as diffusers runs them (the self-attention's gated
+    residual fused with the cross-attention's LayerNorm + modulation): ``(x, pre_ca, out_t, gate, ff_p)``."""
+    sa_p, ca_p, ff_p = torch.chunk(dec.visual_modulation(t), 3, dim=-1)
+    shift, scale, gate = torch.chunk(sa_p, 3, dim=-1)
+    out = dec.self_attention(_modulated(dec.self_attention_norm, x, scale, shift), rotary_emb=rope)
+    shift, scale, gate_ca = torch.chunk(ca_p, 3, dim=-1)
+    x, pre_ca = _gated_modulated(x, out, gate, dec.cross_attention_norm, scale, shift)
+    return x, pre_ca, dec.cross_attention(pre_ca, encoder_hidden_states=text, attn_mask=attn_mask), gate_ca, ff_p
+
+
 def decoder_block(self, vis, aud, text_v, text_a, time_embed, vis_rope, aud_rope, attn_mask=None):
     if not (_rows(vis) and (aud is None or _rows(aud)) and isinstance(time_embed, tuple) and len(time_embed) == 2
             and fusable(vis, (self,), aud, text_v, text_a, *time_embed)):
@@ -65,21 +76,10 @@ def decoder_block(self, vis, aud, text_v, text_a, time_embed, vis_rope, aud_rope
     # module called as there; each gated residual fused with the LayerNorm + modulation that follows it.
     video, audio = self.video_dec_block, self.audio_dec_block
     t_v, t_a = time_embed
-    sa_p, ca_p, ff_p = torch.chunk(video.visual_modulation(t_v), 3, dim=-1)
-    shift, scale, gate = torch.chunk(sa_p, 3, dim=-1)
-    out = video.self_attention(_modulated(video.self_attention_norm, vis, scale, shift), rotary_emb=vis_rope)
-    shift, scale, gate_v = torch.chunk(ca_p, 3, dim=-1)
-    vis, vis_pre_ca = _gated_modulated(vis, out, gate, video.cross_attention_norm, scale, shift)
-    vis_out_t = video.cross_attention(vis_pre_ca, encoder_hidden_states=text_v, attn_mask=attn_mask)
+    vis, vis_pre_ca, vis_out_t, gate_v, ff_p = _attentions(video, vis, t_v, vis_rope, text_v, attn_mask)
 
     if aud is not None:
-        sa_p, ca_p, ff_p_a = torch.chunk(audio.visual_modulation(t_a), 3, dim=-1)
-        shift, scale, gate = torch.chunk(sa_p, 3, dim=-1)
-        out = audio.self_attention(_modulated(audio.self_attention_norm, aud, scale, shift), rotary_emb=aud_rope)
-        shift, scale, gate_a = torch.chunk(ca_p, 3, dim=-1)
-        aud, aud_pre_ca = _gated_modulated(aud, out, gate, audio.cross_attention_norm, scale, shift)
-        aud_out_t = audio.cross_attention(aud_pre_ca, encoder_hidden_states=text_a, attn_mask=attn_mask)
-
+        aud, aud_pre_ca, aud_out_t, gate_a, ff_p_a = _attentions(audio, aud, t_a, aud_rope, text_a, attn_mask)
         t_va_mod = t_a if not self.fix_modulation else t_v
         t_av_mod = t_v if not self.fix_modulation else t_a
         va_params = self.va_modulation(t_va_mod)
