@@ -15,8 +15,9 @@ from .._per_step import _PerSource, _versions
 
 _K6 = "diffusers.models.transformers.transformer_kandinsky6"
 _qk_ops = lazy_module("torchpatches.ops._qk_norm_rope")
-#: ``torch.nn.RMSNorm(eps=None)``: torch's kernels then add the epsilon of the compute type (fp32 for bf16, fp16 and
-#: fp32 inputs: ``numeric_limits<opmath_t>::epsilon()``), not ``torch.finfo(x.dtype).eps`` as the docs say.
+#: ``torch.nn.RMSNorm(eps=None)``: torch's kernels then add the epsilon of the compute type, fp32's for bf16, fp16 and
+#: fp32 inputs (seen on the CPU, torch 2.13, and on an H200, torch 2.11), not ``torch.finfo(x.dtype).eps`` as the
+#: docs say (0.0078125 in bf16).
 _DEFAULT_EPS = torch.finfo(torch.float32).eps
 _TABLES = _PerSource()
 
