@@ -19,6 +19,13 @@ from torchpatches.ops import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 
+try:
+    import triton  # noqa: F401
+
+    _HAS_TRITON = True
+except ImportError:  # pragma: no cover
+    _HAS_TRITON = False
+
 #: Per text block: layer_norm_modulate, gate_residual_layer_norm_modulate, gate_residual (3, two text blocks). Per
 #: video/audio block and stream: the first LN + modulate, three gated residuals each with the next LN + modulate
 #: (text cross, cross-modal, feed-forward), the last gated residual (5 x 2 streams x 2 blocks). qk_norm_rope: one
@@ -165,3 +172,55 @@ def test_processor_keeps_its_parameters() -> None:
     params = inspect.signature(k6.Kandinsky6AttnProcessor.__call__).parameters
     assert list(params)[1:] == ["attn", "hidden_states", "encoder_hidden_states", "rotary_emb", "rotary_emb_kv",
                                 "attn_mask"]
+
+
+def _variant(dtype: torch.dtype, **changes: Any) -> torch.nn.Module:
+    """The tiny fused model with other constructor options (seeded as the harness seeds it)."""
+    import diffusers
+    from harness import CONFIGS
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            torch.manual_seed(0)
+            model = diffusers.Kandinsky6Transformer3DModel(**dict(CONFIGS["kandinsky6-fused"][1], **changes))
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("tier", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not _HAS_TRITON, reason="triton is not installed"))])
+@pytest.mark.parametrize("changes", [
+    dict(ca_rope=False, cross_gates=False, fix_modulation=False),  # the architecture variant without weights
+    dict(model_dim_a=48, ff_dim_a=96),  # an audio stream of its own width (cross_gates' split vectors)
+], ids=["flags-off", "audio-width"])
+def test_other_options(changes: Dict[str, Any], tier: str, calls: Dict[str, int]) -> None:
+    """The options' other branches: chunked cross-modal vectors, the cross-modal attentions without RoPE (q and k
+    normalized alone), an audio width of its own."""
+    _, inputs = tiny("kandinsky6", torch.float32)
+    model = _variant(torch.float32, **changes)
+    ref = _reverted(model, inputs)
+    with force_tier(tier):
+        out = _both(model, inputs)
+    _close(out, ref, tier, torch.float32)
+    assert dict(calls) == EXPECTED
+
+
+@pytest.mark.parametrize("tier", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not _HAS_TRITON, reason="triton is not installed"))])
+def test_batch_of_two(tier: str, calls: Dict[str, int]) -> None:
+    """Two samples of their own timestep, prompt and padding (a batched guidance step): each sample's vectors (rows
+    of the modulation output, batch-strided), mask and tokens."""
+    model, inputs = tiny("kandinsky6", torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    two = {name: torch.cat([t, (torch.randn(t.shape, generator=g).to(t) if t.is_floating_point() else t)])
+           if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
+    two["timestep"] = torch.tensor([500.0, 120.0], device=DEVICE)
+    two["encoder_attention_mask"][1, 1:] = False
+    ref = _reverted(model, two)
+    with force_tier(tier):
+        out = _both(model, two)
+    _close(out, ref, tier, torch.bfloat16)
+    assert dict(calls) == EXPECTED
