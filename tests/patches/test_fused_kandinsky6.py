@@ -6,6 +6,7 @@ fp32 rounding / a bf16 ulp with the kernels. The step-aside cases run on it thro
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Dict, List
 
 import pytest
@@ -19,12 +20,7 @@ from torchpatches.ops import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 
-try:
-    import triton  # noqa: F401
-
-    _HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    _HAS_TRITON = False
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 #: Per text block: layer_norm_modulate, gate_residual_layer_norm_modulate, gate_residual (3, two text blocks). Per
 #: video/audio block and stream: the first LN + modulate, three gated residuals each with the next LN + modulate
