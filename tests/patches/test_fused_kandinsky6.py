@@ -16,18 +16,19 @@ pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, tiny  # noqa: E402
+from torchpatches._harness import registry  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-#: Per text block: layer_norm_modulate, gate_residual_layer_norm_modulate, gate_residual (3, two text blocks). Per
-#: video/audio block and stream: the first LN + modulate, three gated residuals each with the next LN + modulate
-#: (text cross, cross-modal, feed-forward), the last gated residual (5 x 2 streams x 2 blocks). qk_norm_rope: one
-#: launch per self-attention (q and k share length and table), one per tensor in each cross-attention (text, video <-
-#: audio, audio <- video): 1 per text block, 1 + 2 + 1 + 2 + 2 + 2 per video/audio block.
-EXPECTED = {"modulate": 2 * 3 + 2 * 10, "qk_norm_rope": 2 * 1 + 2 * 10}
+#: The registry's op calls of a forward (2 video/audio blocks, 1 text block per modality): per text block
+#: layer_norm_modulate, gate_residual_layer_norm_modulate, gate_residual; per video/audio block and stream the first
+#: LN + modulate, three gated residuals each with the next LN + modulate (text cross, cross-modal, feed-forward), the
+#: last gated residual. qk_norm_rope: one launch per self-attention (q and k share length and table), one per tensor
+#: in each cross-attention (text, video <- audio, audio <- video).
+EXPECTED = registry.FAMILIES["kandinsky6"].calls
 
 
 def _both(model: torch.nn.Module, inputs: Dict[str, Any]) -> List[torch.Tensor]:
@@ -54,7 +55,7 @@ def _close(out: List[torch.Tensor], ref: List[torch.Tensor], tier: str, dtype: t
 
 @pytest.mark.parametrize("tier", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_path_equals_diffusers(tier: str, dtype: torch.dtype, calls: Dict[str, int]) -> None:
+def test_video_and_audio_equal_diffusers(tier: str, dtype: torch.dtype, calls: Dict[str, int]) -> None:
     if tier == "triton":
         pytest.importorskip("triton")
     model, inputs = tiny("kandinsky6", dtype)
