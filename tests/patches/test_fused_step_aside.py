@@ -25,7 +25,9 @@ pytest.importorskip("diffusers")
 import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, MODELS, latents, output, reverted, run, tiny  # noqa: E402
 from diffusers.models import embeddings, normalization  # noqa: E402
-from diffusers.models.transformers import transformer_ideogram4, transformer_krea2  # noqa: E402
+from diffusers.models.transformers import (  # noqa: E402
+    transformer_ideogram4, transformer_kandinsky6, transformer_krea2,
+)
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
 from torchpatches.ops._modulate import force_tier  # noqa: E402
 
@@ -234,6 +236,13 @@ REBINDS = {
     "krea2 apply_rotary_emb": ("krea2", transformer_krea2, "apply_rotary_emb", lambda real: _identity_rope),
     "krea2 Krea2RMSNorm.forward": ("krea2", transformer_krea2.Krea2RMSNorm, "forward", _half_layer_norm),
     "krea2 F.silu": ("krea2", torch.nn.functional, "silu", lambda real: lambda x, inplace=False: real(x) * 0.5),
+    "kandinsky6 apply_rotary": ("kandinsky6", transformer_kandinsky6, "apply_rotary", lambda real: lambda x, rope: x),
+    "kandinsky6 apply_gate_sum": ("kandinsky6", transformer_kandinsky6, "apply_gate_sum",
+                                  lambda real: lambda x, out, gate: real(x, out, gate * 0.5)),
+    "kandinsky6 apply_scale_shift": ("kandinsky6", transformer_kandinsky6, "apply_scale_shift",
+                                     lambda real: lambda normed, x, scale, shift: real(normed, x, scale, shift * 0)),
+    "kandinsky6 F.rms_norm": ("kandinsky6", torch.nn.functional, "rms_norm", _half_layer_norm),
+    "kandinsky6 F.layer_norm": ("kandinsky6", torch.nn.functional, "layer_norm", _half_layer_norm),
 }
 
 

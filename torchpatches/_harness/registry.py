@@ -327,8 +327,15 @@ FAMILIES: Dict[str, Family] = {
                  axes_dims=(32, 48, 48), in_audio_dim=20, out_audio_dim=20, ca_rope=True, cross_gates=True,
                  fix_modulation=True, text_token_padding=True),
             ("num_visual_blocks",), ("visual_transformer_blocks",), (60,), prod.kandinsky6),
-        untargeted=("Kandinsky6FusedTransformerDecoderBlock", "Kandinsky6TransformerEncoderBlock",
-                    "Kandinsky6AttnProcessor"), targeted=frozenset({("gelu_gemm", "GELU")})),
+        # 2 video/audio blocks, 1 text block per modality. Per text block 3 modulate, 1 qk_norm_rope; per video/audio
+        # block 5 modulate and 1 + 2 + 2 qk_norm_rope per stream (self, text cross, cross-modal: q and k each)
+        fused=dict(num_visual_blocks=2), calls={"modulate": 26, "qk_norm_rope": 22},
+        targeted=frozenset({
+            ("kandinsky6", "Kandinsky6FusedTransformerDecoderBlock"),
+            ("kandinsky6", "Kandinsky6TransformerEncoderBlock"), ("kandinsky6", "Kandinsky6AttnProcessor"),
+            ("gelu_gemm", "GELU")}),
+        lora=(("to_query", "to_key", "to_value", "feed_forward.net.0.proj", "feed_forward.net.2",
+               "visual_modulation.out_layer", "va_modulation.out_layer"), {"modulate": 26, "qk_norm_rope": 22})),
     # Chroma's blocks are its own, its attention processor and position embedder FLUX.1's
     "chroma": Family(
         "ChromaTransformer2DModel", dict(

@@ -114,14 +114,14 @@ def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first
         rounding, lambda x, w, e: F.rms_norm(x, (x.shape[-1],), w, e))
     join = (lambda t, i: torch.cat([t, i], dim=1)) if text_first else (lambda t, i: torch.cat([i, t], dim=1))
     q = norm(q, wq, eps[0])
-    k = norm(k, wk, eps[1])
+    k = norm(k, wk, eps[1]) if k is not None else None  # k None: q alone (prechecked)
     if qt is not None:
         q = join(norm(qt, wqt, eps[2]), q)
         k = join(norm(kt, wkt, eps[3]), k)
         v = join(vt, v)
     if cos is not None:
         rot = _rope_half_torch if half else _rope_torch
-        q, k = rot(q, cos, sin), rot(k, cos, sin)
+        q, k = rot(q, cos, sin), (rot(k, cos, sin) if k is not None else None)
     if k_repeat > 1:  # Krea2AttnProcessor: key.repeat_interleave(num_key_value_groups, dim=2) after the rotation
         k = k.repeat_interleave(k_repeat, dim=2)
     return [q, k, v]
@@ -141,7 +141,7 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, roun
     B, S, H, D = q.shape
     S_all = S + (qt.shape[1] if qt is not None else 0)
     new = lambda: torch.empty((B, S_all, H, D), dtype=q.dtype, device=q.device)  # noqa: E731
-    q_out, k_out = new(), new()
+    q_out, k_out = new(), (new() if k is not None else None)
     v_out = new() if qt is not None else None
     if qt is not None and not text_first:
         # The kernel writes its "first" group's rows first: hand it the image tensors there.
@@ -258,8 +258,8 @@ def _unit_head_dim(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-               q_weight: torch.Tensor, k_weight: torch.Tensor, eps: tuple, v: Optional[torch.Tensor] = None,
+def prechecked(q: torch.Tensor, k: Optional[torch.Tensor], cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+               q_weight: torch.Tensor, k_weight: Optional[torch.Tensor], eps: tuple, v: Optional[torch.Tensor] = None,
                q_txt: Optional[torch.Tensor] = None, k_txt: Optional[torch.Tensor] = None,
                v_txt: Optional[torch.Tensor] = None, q_txt_weight: Optional[torch.Tensor] = None,
                k_txt_weight: Optional[torch.Tensor] = None, rounding: str = "once",
@@ -272,9 +272,14 @@ def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], si
     stock RMSNorm weights, no expanded view, and nothing traced or transformed. Skipped: those checks (about
     30 us of Python per call on a 2-core CPU, 57 calls per FLUX.1 step). Kept: what the kernel needs (unit-stride
     head dims, one set of strides per group) and the tier choice (a forced tier, autograd recording).
-    ``k_repeat`` > 1 (Krea 2's GQA): k with ``H / k_repeat`` heads, no text tensors, read with its own strides."""
+    ``k_repeat`` > 1 (Krea 2's GQA): k with ``H / k_repeat`` heads, no text tensors, read with its own strides.
+
+    ``k=None`` (and ``k_weight=None``; no text tensors): ``q`` alone, normalized and rotated by its own tables, the
+    returned k None: Kandinsky 6's cross-attentions, whose q and k differ in length and tables (one launch each)."""
     joint = q_txt is not None
-    if joint:
+    if k is None:
+        q = _unit_head_dim(q)
+    elif joint:
         q, k, v = _same_strides([_unit_head_dim(q), _unit_head_dim(k), _unit_head_dim(v)])
         q_txt, k_txt, v_txt = _same_strides([_unit_head_dim(q_txt), _unit_head_dim(k_txt), _unit_head_dim(v_txt)])
     elif k_repeat > 1:
@@ -284,7 +289,7 @@ def prechecked(q: torch.Tensor, k: torch.Tensor, cos: Optional[torch.Tensor], si
     tensors = (q, k, v, q_txt, k_txt, v_txt, q_weight, k_weight, q_txt_weight, k_txt_weight, cos, sin)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     tier = choose_tier(q.device.type, None, grad)
-    outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight.contiguous(), k_weight.contiguous(),
+    outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight.contiguous(), k_weight.contiguous() if k is not None else None,
                  q_txt_weight.contiguous() if joint else None, k_txt_weight.contiguous() if joint else None,
                  eps, cos, sin, True, rounding, rope, tier, k_repeat)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)

@@ -165,19 +165,20 @@ def _table_strides(t: torch.Tensor) -> tuple[int, int]:
 
 
 def launch(
-    q: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor],
+    q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
     qt: Optional[torch.Tensor], kt: Optional[torch.Tensor], vt: Optional[torch.Tensor],
-    wq: torch.Tensor, wk: torch.Tensor, wqt: Optional[torch.Tensor], wkt: Optional[torch.Tensor],
+    wq: torch.Tensor, wk: Optional[torch.Tensor], wqt: Optional[torch.Tensor], wkt: Optional[torch.Tensor],
     eps: tuple[float, float, float, float],
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
-    q_out: torch.Tensor, k_out: torch.Tensor, v_out: Optional[torch.Tensor], each: bool = False,
+    q_out: torch.Tensor, k_out: Optional[torch.Tensor], v_out: Optional[torch.Tensor], each: bool = False,
     half_split: bool = False, zero_centered: bool = False, k_repeat: int = 1,
 ) -> None:
     """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``.
     ``cos``/``sin``: ``[S, D]`` or ``[B or 1, S, D]`` (unit-stride last dim), or None: no RoPE; ``each``: diffusers'
     RMSNorm rounding, ``half_split``: Ideogram 4's half-split RoPE, tables of the output dtype (see the module
     docstring); ``zero_centered``: Krea 2's ``1 + weight``; ``k_repeat``: GQA, k with ``H / k_repeat`` heads (no
-    text tensors), written repeated."""
+    text tensors), written repeated. ``k`` None (with ``wk`` and ``k_out``): q alone, axis 1 walks its head blocks
+    only."""
     B, S_img, H, D = q.shape
     S_txt = qt.shape[1] if qt is not None else 0
     S_tot = S_txt + S_img
@@ -188,7 +189,8 @@ def launch(
     # ~1024 elements per program with 2 warps: the RoPE kernel's measured best (benchmarks/NOTES-rope.md).
     block_h = max(1, min(next_pow2(H), 1024 // (2 * half)))
     nhb = cdiv(H, block_h)
-    tensors = 3 if v_out is not None else 2
+    tensors = 3 if v_out is not None else (2 if k is not None else 1)  # k None: q alone (axis 1 walks q's heads)
+    k, wk, k_out = (k, wk, k_out) if k is not None else (q, wq, q_out)
     txt = qt if qt is not None else q
     kernel = kernel_for(q.device.type)
     launch_kernel(kernel, (B * S_tot, tensors * nhb), (
