@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import FUSED, run, tiny  # noqa: E402
+from _fused_models import DEVICE, FUSED, run, tiny  # noqa: E402
 from harness import registry  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
 
@@ -143,8 +143,8 @@ def test_a_temb_of_another_shape_runs_diffusers_block(calls: Dict[str, int]) -> 
     """A ``[B, 6 * D]`` temb (the model passes ``[B, 1, 6 * D]``): diffusers' block, which broadcasts it."""
     model, inputs = model_and_inputs(torch.float32)
     block = model.transformer_blocks[0]
-    x = torch.randn(1, 21, model.hidden_size)
-    temb = torch.randn(1, 6 * model.hidden_size)
+    x = torch.randn(1, 21, model.hidden_size, device=DEVICE)
+    temb = torch.randn(1, 6 * model.hidden_size, device=DEVICE)
     rope = model.rotary_emb(inputs["position_ids"])
     with torch.no_grad():
         with diffusers_code():
