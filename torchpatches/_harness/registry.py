@@ -336,7 +336,8 @@ FAMILIES: Dict[str, Family] = {
             ("gelu_gemm", "GELU")}),
         lora=(("to_query", "to_key", "to_value", "feed_forward.net.0.proj", "feed_forward.net.2",
                "visual_modulation.out_layer", "va_modulation.out_layer"), {"modulate": 26, "qk_norm_rope": 22})),
-    # Chroma's blocks are its own, its attention processor and position embedder FLUX.1's
+    # Chroma: FLUX.1's blocks with pruned modulation and a text mask (gate_residual), FLUX.1's processor and position
+    # embedder. chroma-fused: 2 double + 2 single blocks, the prompt's last 2 tokens masked out.
     "chroma": Family(
         "ChromaTransformer2DModel", dict(
             patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -348,7 +349,10 @@ FAMILIES: Dict[str, Family] = {
                  num_attention_heads=24, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56),
                  approximator_num_channels=64, approximator_hidden_dim=5120, approximator_layers=5),
             ("num_layers", "num_single_layers"), _FLUX_BLOCKS, (19, 38), prod.chroma),
-        untargeted=("ChromaTransformerBlock", "ChromaSingleTransformerBlock"), targeted=frozenset({
+        fused=dict(num_layers=2, num_single_layers=2), fused_options=dict(text_padding=2),
+        calls={"modulate": 16, "qk_norm_rope": 4, "slices": 4},
+        untargeted=("ChromaApproximator", "ChromaAdaLayerNormContinuousPruned"), targeted=frozenset({
+            ("gate_residual", "ChromaTransformerBlock"), ("gate_residual", "ChromaSingleTransformerBlock"),
             ("qk_norm_rope", "FluxAttnProcessor"), ("rope_tables", "FluxPosEmbed"), ("gelu_gemm", "GELU")}),
         attention_kwargs="joint_attention_kwargs"),
     # MoE feed-forward (4 routed experts, 2 active) as in production; llama_layers: the Llama layer each block reads

@@ -1,4 +1,4 @@
-"""gate_residual: FLUX.1/FLUX.2 blocks with ``residual + gate * out`` (and the LayerNorm + modulate after it)
+"""gate_residual: FLUX.1/FLUX.2 (and Chroma) blocks with ``residual + gate * out`` (and the LayerNorm + modulate after it)
 as one kernel, and FLUX.1's single-block concats without their copies (eager).
 
 What goes wrong upstream
@@ -13,7 +13,10 @@ What goes wrong upstream
 
 What the patch changes
     The four block ``forward`` methods (``FluxTransformerBlock``, ``FluxSingleTransformerBlock``,
-    ``Flux2TransformerBlock``, ``Flux2SingleTransformerBlock``) keep every module call of diffusers' code
+    ``Flux2TransformerBlock``, ``Flux2SingleTransformerBlock``) and Chroma's two (FLUX.1's with pruned modulation:
+    ``ChromaAdaLayerNormZero(Single)Pruned``'s LayerNorm + modulation through the modulate op too, and the text mask
+    passed on as their ``[B, 1, S, S]`` product, built per block as diffusers does) keep every module call of
+    diffusers' code
     (norm1, attention, feed-forward, projections: LoRA layers and hooks on them keep working; a stock
     attention module's processor is called as its ``forward`` would, below) and replace the tensor glue:
 
@@ -59,6 +62,7 @@ from ._fused_common import CAT, FUSED_REQUIRES, GELU, LAYER_NORM, LINEAR, fused_
 _BODY = "torchpatches.patches._bodies.gate_residual"
 _FLUX = "diffusers.models.transformers.transformer_flux"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
+_CHROMA = "diffusers.models.transformers.transformer_chroma"
 #: What the replaced glue reaches through modules (norm2 / norm2_context, the single block's concat).
 _ASSUMES = LAYER_NORM + CAT
 
@@ -79,6 +83,10 @@ PATCH = Patch(
                 (f"{_FLUX2}:Flux2Attention.forward",)),
         _target(f"{_FLUX2}:Flux2SingleTransformerBlock.forward", f"{_BODY}:_flux2_single", "12422e38cc8c135b",
                 (f"{_FLUX2}:Flux2ParallelSelfAttention.forward",)),
+        _target(f"{_CHROMA}:ChromaTransformerBlock.forward", f"{_BODY}:_chroma_double", "2424ca9ddb6fd440",
+                (f"{_FLUX}:FluxAttention.forward",)),
+        _target(f"{_CHROMA}:ChromaSingleTransformerBlock.forward", f"{_BODY}:_chroma_single", "408706ac8b77b92c",
+                GELU + LINEAR + (f"{_FLUX}:FluxAttention.forward",)),
     ),
     # The attention forwards the blocks call past (their source: diffusers 0.42.1; compile_warnings' copies of
     # them have the same fingerprints): another source skips the patch.

@@ -4,7 +4,7 @@ Its banner and declaration: ``patches/gate_residual.py``."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -14,6 +14,7 @@ from .._modulate_calls import modulated, residual, residual_modulated
 
 _FLUX = "diffusers.models.transformers.transformer_flux"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
+_CHROMA = "diffusers.models.transformers.transformer_chroma"
 
 
 def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -82,17 +83,19 @@ def _attention(attn: Any, where: Tuple[str, str], kwargs: Any, processor_args: t
 
 
 def _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
-                 img_mlp, txt_mlp, image_rotary_emb, joint_attention_kwargs, attention: Tuple[str, str]):
-    """The shared rest of both double blocks (diffusers 0.42.1) from the attention call on, with the glue fused.
+                 img_mlp, txt_mlp, image_rotary_emb, joint_attention_kwargs, attention: Tuple[str, str],
+                 **mask: Any):
+    """The shared rest of the double blocks (diffusers 0.42.1) from the attention call on, with the glue fused.
     ``img_mlp`` / ``txt_mlp``: (gate_msa, shift_mlp, scale_mlp, gate_mlp) of each stream; ``attention``: the
-    (module, class) of the block's stock attention."""
+    (module, class) of the block's stock attention; ``mask``: ``attention_mask=`` where the block passes one
+    (Chroma)."""
     gate_msa, shift_mlp, scale_mlp, gate_mlp = img_mlp
     c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt_mlp
     attn_output, context_attn_output = _attention(
         self.attn, attention, joint_attention_kwargs,
-        (norm_hidden_states, norm_encoder_hidden_states, None, image_rotary_emb),  # FluxAttention / Flux2Attention
+        (norm_hidden_states, norm_encoder_hidden_states, mask.get("attention_mask"), image_rotary_emb),
         hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states,
-        image_rotary_emb=image_rotary_emb,
+        image_rotary_emb=image_rotary_emb, **mask,
     )
     hidden_states, norm_hidden_states = residual_modulated(
         self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
@@ -122,15 +125,25 @@ def _flux_double(self, hidden_states, encoder_hidden_states, temb, image_rotary_
 
 def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
                  joint_attention_kwargs=None):
-    act = self.act_mlp
-    if not (_block_ok(self, hidden_states, encoder_hidden_states, temb)
-            and stock(act, torch.nn.GELU) and act.approximate == "tanh"):
+    if not (_block_ok(self, hidden_states, encoder_hidden_states, temb) and _tanh_gelu(self.act_mlp)):
         return FALLBACK
-    slices = _slices_ops()
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = joined(encoder_hidden_states, hidden_states)
-    residual_states = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    hidden_states = _single_rest(self, hidden_states, norm_hidden_states, gate, image_rotary_emb,
+                                 joint_attention_kwargs)
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def _tanh_gelu(act: Any) -> bool:
+    return stock(act, torch.nn.GELU) and act.approximate == "tanh"
+
+
+def _single_rest(self, residual_states, norm_hidden_states, gate, image_rotary_emb, joint_attention_kwargs,
+                 **mask: Any) -> torch.Tensor:
+    """FLUX.1's single block (and Chroma's) from the MLP projection on: ``[attention | gelu(mlp)]`` written into
+    one buffer, ``proj_out``, the gated residual. ``mask``: ``attention_mask=`` where the block passes one."""
+    slices = _slices_ops()
     mlp = linear(self.proj_mlp, norm_hidden_states)
     # [attention output | gelu(mlp)]: the GELU writes its half of proj_out's input directly.
     width = self.attn.inner_dim
@@ -141,15 +154,14 @@ def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_
         slices.gelu_tanh_into(mlp, buf[..., width:])
     del mlp
     attn_output = _attention(self.attn, (_FLUX, "FluxAttention"), joint_attention_kwargs,
-                             (norm_hidden_states, None, None, image_rotary_emb),
-                             hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
+                             (norm_hidden_states, None, mask.get("attention_mask"), image_rotary_emb),
+                             hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, **mask)
     if _plain(attn_output) and attn_output.shape == buf[..., :width].shape and attn_output.dtype == buf.dtype \
             and attn_output.device == buf.device and _plain(buf):
         slices.prechecked(attn_output, buf[..., :width], gelu=False)
     else:  # a processor returned another width or dtype: the concat diffusers would do
         buf = torch.cat([attn_output, buf[..., width:]], dim=2)
-    hidden_states = residual(residual_states, gate, linear(self.proj_out, buf), clip=True)
-    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return residual(residual_states, gate, linear(self.proj_out, buf), clip=True)
 
 
 def _flux2_double(self, hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt, image_rotary_emb=None,
@@ -184,3 +196,48 @@ def _flux2_single(self, hidden_states, encoder_hidden_states, temb_mod, image_ro
     if split_hidden_states:
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
     return hidden_states
+
+
+# ---- Chroma: FLUX.1's blocks with pruned modulation (vectors from the model, no Linear) and a text mask ----------
+
+
+def _pruned(norm: Any, cls_name: str, x: torch.Tensor, emb: torch.Tensor, chunks: int) -> Optional[tuple]:
+    """``norm(x, emb=emb)`` for a stock ``ChromaAdaLayerNormZero(Single)Pruned`` without its own embedder: its
+    LayerNorm + modulation through the modulate op (diffusers 0.42.1's chunking), the other vectors as they are;
+    None for another norm."""
+    if not (stock(norm, getattr(sys.modules[_CHROMA], cls_name)) and getattr(norm, "emb", None) is None):
+        return None
+    shift, scale, *rest = emb.flatten(1, 2).chunk(chunks, dim=1)
+    return (modulated(norm.norm, x, scale, shift, fuse=pattern_on("adaln")), *rest)
+
+
+def _outer(attention_mask: Any) -> Any:
+    """Chroma's block-level ``[B, 1, S, S]`` mask, as its blocks build it (once per block, as in diffusers)."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+
+
+def _chroma_double(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, attention_mask=None,
+                   joint_attention_kwargs=None):
+    if not (_block_ok(self, hidden_states, encoder_hidden_states, temb, attention_mask)
+            and type(self.attn.processor) is sys.modules[_FLUX].FluxAttnProcessor):  # not IP-adapter (3 outputs)
+        return FALLBACK
+    img = _pruned(self.norm1, "ChromaAdaLayerNormZeroPruned", hidden_states, temb[:, :6], 6)
+    txt = _pruned(self.norm1_context, "ChromaAdaLayerNormZeroPruned", encoder_hidden_states, temb[:, 6:], 6)
+    if img is None or txt is None:
+        return FALLBACK
+    return _double_rest(self, hidden_states, encoder_hidden_states, img[0], txt[0], img[1:], txt[1:],
+                        image_rotary_emb, joint_attention_kwargs, (_FLUX, "FluxAttention"),
+                        attention_mask=_outer(attention_mask))
+
+
+def _chroma_single(self, hidden_states, temb, image_rotary_emb=None, attention_mask=None,
+                   joint_attention_kwargs=None):
+    if not (_block_ok(self, hidden_states, temb, attention_mask) and _tanh_gelu(self.act_mlp)):
+        return FALLBACK
+    norm = _pruned(self.norm, "ChromaAdaLayerNormZeroSinglePruned", hidden_states, temb, 3)
+    if norm is None:
+        return FALLBACK
+    return _single_rest(self, hidden_states, norm[0], norm[1], image_rotary_emb, joint_attention_kwargs,
+                        attention_mask=_outer(attention_mask))
