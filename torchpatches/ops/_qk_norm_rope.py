@@ -29,6 +29,9 @@ Options for other models (SD3's ``JointAttnProcessor2_0``):
   ``torch.nn.RMSNorm``'s fused kernel (``x * rstd * w`` rounded once); ``"zero_centered"`` is Krea 2's
   ``Krea2RMSNorm`` (``F.rms_norm(x.float(), weight=w + 1.0).to(x.dtype)``: ``1 + w`` in the weight's dtype, which
   may be any float dtype, then as ``"once"``).
+- ``rounding="fp32"``: FLUX.3's chain (``Flux3AttnProcessor``): ``norm(q.float())`` with a ``torch.nn.RMSNorm``
+  whose weight may be fp32 (``_keep_in_fp32_modules``) or q's dtype, RoPE on the fp32 result, one rounding to
+  q's dtype at the end (``.to(value.dtype)``); weights of any float dtype.
 - ``k_repeat=r`` (GQA, no text tensors): k has ``H / r`` heads; the returned k is normalized, rotated and repeated
   ``r`` times over heads (``repeat_interleave(r, dim=2)``, Krea 2's order), so it has q's heads.
 - ``rope="half_each"``: Ideogram 4's RoPE (``transformer_ideogram4.Ideogram4AttnProcessor``): half-split pairs
@@ -56,13 +59,14 @@ import torch.nn.functional as F
 from .._core.lazy import lazy_module
 from ._runtime import args as _args, dispatch as _dispatch
 from ._runtime.memory import check_no_overlap
-from ._runtime.tiers import choose_tier, force_tier, needs_grad
+from ._runtime.tiers import FLOAT_DTYPES, choose_tier, force_tier, needs_grad
 
 __all__ = ["qk_norm_rope", "prechecked", "force_tier", "ROUNDINGS", "ROPES"]
 
 #: ``"once"``: torch.nn.RMSNorm (one rounding); ``"each"``: diffusers' RMSNorm (``x * rstd`` rounded, then ``* w``);
-#: ``"zero_centered"``: Krea 2's RMSNorm (``1 + w``, fp32 compute, one rounding).
-ROUNDINGS = ("once", "each", "zero_centered")
+#: ``"zero_centered"``: Krea 2's RMSNorm (``1 + w``, fp32 compute, one rounding);
+#: ``"fp32"``: torch.nn.RMSNorm of ``x.float()`` and RoPE in fp32, rounded once after RoPE (FLUX.3).
+ROUNDINGS = ("once", "each", "zero_centered", "fp32")
 #: ``"interleaved"``: pairs ``(n[2i], n[2i+1])``, fp32 tables and math, rounded once (FLUX, QwenImage, Z-Image);
 #: ``"half_each"``: pairs ``(n[j], n[j + D/2])``, tables and every op in q's dtype, each rounded (Ideogram 4).
 ROPES = ("interleaved", "half_each")
@@ -110,6 +114,11 @@ def _rms_norm_zero_centered(x: torch.Tensor, w: torch.Tensor, eps: float) -> tor
 
 
 def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, half, k_repeat):
+    if rounding == "fp32":  # FLUX.3: norm_q(query.float()), RoPE in fp32, then .to(value.dtype): one rounding
+        f = lambda t: None if t is None else t.float()  # noqa: E731
+        outs = _torch_tier(f(q), f(k), v, f(qt), f(kt), vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, "once",
+                           half, k_repeat)
+        return [outs[0].to(q.dtype), None if outs[1] is None else outs[1].to(q.dtype), outs[2]]
     norm = {"each": _rms_norm_each, "zero_centered": _rms_norm_zero_centered}.get(
         rounding, lambda x, w, e: F.rms_norm(x, (x.shape[-1],), w, e))
     join = (lambda t, i: torch.cat([t, i], dim=1)) if text_first else (lambda t, i: torch.cat([i, t], dim=1))
@@ -135,6 +144,7 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, roun
     eps = tuple(eps)
     each = rounding == "each"
     half = rope == "half_each"
+    chain = rounding == "fp32"
     if tier == "torch":
         return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, half, k_repeat)
     kernels = _triton_tier()
@@ -148,7 +158,7 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, roun
         q, k, v, qt, kt, vt, wq, wk, wqt, wkt = qt, kt, vt, q, k, v, wqt, wkt, wq, wk
         eps = (eps[2], eps[3], eps[0], eps[1])
     kernels.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out, each=each,
-                   half_split=half, zero_centered=rounding == "zero_centered", k_repeat=k_repeat)
+                   half_split=half, zero_centered=rounding == "zero_centered", k_repeat=k_repeat, chain=chain)
     return [q_out, k_out, v_out if v_out is not None else v]
 
 
@@ -202,8 +212,7 @@ def _check_weight(w: Optional[torch.Tensor], name: str, q: torch.Tensor, any_dty
     if not isinstance(w, torch.Tensor) or w.shape != (q.shape[-1],):
         raise ValueError(f"{name} must be a [{q.shape[-1]}] tensor, got "
                          f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
-    if (w.dtype != q.dtype and not (any_dtype and w.dtype in (torch.float32, torch.bfloat16, torch.float16))) \
-            or w.device != q.device:
+    if (w.dtype != q.dtype and not (any_dtype and w.dtype in FLOAT_DTYPES)) or w.device != q.device:
         # torch.nn.RMSNorm only runs its fused kernel (one rounding) when the dtypes match.
         raise ValueError(f"{name} is {w.dtype} on {w.device}; expected {q.dtype} on {q.device}")
     return w.contiguous()
@@ -342,6 +351,8 @@ def qk_norm_rope(
         raise ValueError(f"head dim {q.shape[-1]} must be even for {form} RoPE (rope={rope!r})")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if rounding == "fp32" and rope != "interleaved":
+        raise ValueError("rounding='fp32' (FLUX.3's chain) takes rope='interleaved' only")
     joint = q_txt is not None
     if joint:
         if any(t is None for t in (k_txt, v_txt, v, q_txt_weight, k_txt_weight, eps_q_txt, eps_k_txt)):
@@ -360,12 +371,13 @@ def qk_norm_rope(
         if k_repeat == 1:
             q, k = _same_strides([q, k])
     zc = rounding == "zero_centered"  # Krea 2's weights: any float dtype (its checkpoints keep them in fp32)
-    wq, wk = _check_weight(q_weight, "q_weight", q, zc), _check_weight(k_weight, "k_weight", q, zc)
-    if wq.dtype != wk.dtype:
+    any_dtype = zc or rounding == "fp32"  # FLUX.3's too: fp32 compute, any float weight converts exactly
+    wq, wk = _check_weight(q_weight, "q_weight", q, any_dtype), _check_weight(k_weight, "k_weight", q, any_dtype)
+    if zc and wq.dtype != wk.dtype:  # the kernel rounds 1 + w to one weight dtype (W_KIND)
         raise ValueError(f"q_weight is {wq.dtype}, k_weight {wk.dtype}: one dtype")
-    wqt = _check_weight(q_txt_weight, "q_txt_weight", q, zc) if joint else None
-    wkt = _check_weight(k_txt_weight, "k_txt_weight", q, zc) if joint else None
-    if joint and not (wqt.dtype == wkt.dtype == wq.dtype):
+    wqt = _check_weight(q_txt_weight, "q_txt_weight", q, any_dtype) if joint else None
+    wkt = _check_weight(k_txt_weight, "k_txt_weight", q, any_dtype) if joint else None
+    if zc and joint and not (wqt.dtype == wkt.dtype == wq.dtype):
         raise ValueError("the text weights must have the image weights' dtype")
     if rotates:
         _check_tables(cos, sin, q, q.shape[1] + (qt.shape[1] if joint else 0), rope)

@@ -12,6 +12,7 @@ Per q/k head (fp32 math, rounding where diffusers rounds):
     n   = round(round(x * rsqrt(mean(x^2) + eps)) * w)   EACH: diffusers' RMSNorm (SD3's q/k norms)
     w   = round_w(1 + w)                                  ZERO_CENTERED: Krea 2's RMSNorm (``1 + weight`` in the
                                                           weight's dtype, W_KIND), then the first form
+    n   = x * rsqrt(mean(x^2) + eps) * w                  CHAIN: FLUX.3, fp32 until after RoPE (w: any float)
     out = round(n * cos + rotate(n) * sin)               diffusers apply_rotary_emb, interleaved pairs
                                                          (ROPE false: out = n)
     out = round(round(n * cos) + round(rotate_half(n) * sin))
@@ -56,7 +57,7 @@ def _qk_norm_rope_kernel(
     i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sb, c_sr, s_sb, s_sr, k_sb, k_ss, k_sh,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr, LIBDEVICE: tl.constexpr,
     ROPE: tl.constexpr, EACH: tl.constexpr, HALF_SPLIT: tl.constexpr, ZERO_CENTERED: tl.constexpr = False,
-    W_KIND: tl.constexpr = 0, REP: tl.constexpr = 1,
+    W_KIND: tl.constexpr = 0, REP: tl.constexpr = 1, CHAIN: tl.constexpr = False,
 ):
     tok = tl.program_id(0).to(tl.int64)
     b = tok // S_TOT
@@ -112,6 +113,8 @@ def _qk_norm_rope_kernel(
         rstd = _rsqrt(tl.reduce(x * x, 1, _sum_combine) / D + eps, LIBDEVICE)
         if EACH:
             n = _round_to(_round_to(x * rstd[:, None], KIND) * w[None, :], KIND)
+        elif CHAIN:  # FLUX.3: the fp32 norm goes into RoPE unrounded (diffusers casts after RoPE)
+            n = (x * rstd[:, None]) * w[None, :]
         else:
             n = _round_to((x * rstd[:, None]) * w[None, :], KIND)
         if ROPE and HALF_SPLIT:
@@ -171,14 +174,14 @@ def launch(
     eps: tuple[float, float, float, float],
     cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
     q_out: torch.Tensor, k_out: Optional[torch.Tensor], v_out: Optional[torch.Tensor], each: bool = False,
-    half_split: bool = False, zero_centered: bool = False, k_repeat: int = 1,
+    half_split: bool = False, zero_centered: bool = False, k_repeat: int = 1, chain: bool = False,
 ) -> None:
     """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``.
     ``cos``/``sin``: ``[S, D]`` or ``[B or 1, S, D]`` (unit-stride last dim), or None: no RoPE; ``each``: diffusers'
     RMSNorm rounding, ``half_split``: Ideogram 4's half-split RoPE, tables of the output dtype (see the module
     docstring); ``zero_centered``: Krea 2's ``1 + weight``; ``k_repeat``: GQA, k with ``H / k_repeat`` heads (no
-    text tensors), written repeated. ``k`` None (with ``wk`` and ``k_out``): q alone, axis 1 walks its head blocks
-    only."""
+    text tensors), written repeated; ``chain``: FLUX.3's fp32 chain. ``k`` None (with ``wk`` and ``k_out``): q
+    alone, axis 1 walks its head blocks only."""
     B, S_img, H, D = q.shape
     S_txt = qt.shape[1] if qt is not None else 0
     S_tot = S_txt + S_img
@@ -206,6 +209,6 @@ def launch(
     ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
         ROPE=rope, EACH=bool(each), HALF_SPLIT=bool(half_split) and rope, ZERO_CENTERED=bool(zero_centered),
-        W_KIND=KINDS[wq.dtype] if zero_centered else 0, REP=int(k_repeat),
+        W_KIND=KINDS[wq.dtype] if zero_centered else 0, REP=int(k_repeat), CHAIN=bool(chain),
         num_warps=2 if block_h * 2 * half >= 512 else 1,
     ))
