@@ -193,8 +193,12 @@ FAMILIES: Dict[str, Family] = {
                  num_attention_heads=24, joint_attention_dim=20480, timestep_channels=256, mlp_ratio=3.0,
                  axes_dims_rope=(32, 32, 32, 32)), ("num_layers", "num_single_layers"),
             ("txt_mode_blocks", "single_transformer_blocks"), (5, 28), prod.flux3),
-        untargeted=("Flux3ModeTransformerBlock", "Flux3SingleTransformerBlock", "Flux3AttnProcessor"),
-        targeted=frozenset()),
+        # per mode block (2 text + 2 image): LayerNorm + modulate, the gated residual of the branch sum; per single
+        # block (2): both per stream; norm_out once. One qk_norm_rope and one swiglu per attention / FF call.
+        fused=dict(num_layers=2, num_single_layers=2), calls={"modulate": 17, "qk_norm_rope": 6, "swiglu": 6},
+        untargeted=("Flux3Modulation", "Flux3PosEmbed"), targeted=frozenset({
+            ("flux3", "Flux3ModeTransformerBlock"), ("flux3", "Flux3SingleTransformerBlock"),
+            ("flux3", "Flux3AttnProcessor"), ("flux3", "Flux3SwiGLU"), ("flux3", "Flux3AdaLayerNorm")})),
     "qwenimage21": Family(
         "QwenImage21Transformer2DModel", dict(
             patch_size=1, in_channels=8, out_channels=8, num_layers=1, attention_head_dim=16, num_attention_heads=2,

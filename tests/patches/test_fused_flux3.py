@@ -1,0 +1,105 @@
+"""FLUX.3's eager fusion: the flux3 pattern (per-token adaLN glue, the fp32 q/k norm + RoPE chain, SwiGLU).
+
+On the tiny ``flux3-fused`` transformer (2 per-mode blocks per mode, 2 joint single blocks; CPU, a forced tier
+standing in for the GPU): diffusers' values bit for bit with the PyTorch tier, within a bf16 ulp with the kernels.
+The step-aside cases run on it through ``_fused_models.MODELS``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+import torchpatches  # noqa: E402
+from _fused_models import reverted, run, tiny  # noqa: E402
+from torchpatches.ops import force_tier  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fused_on")
+
+#: Per mode block (2 text + 2 image): LayerNorm + modulate, the gated residual; per single block (2): both per
+#: stream; norm_out once. One qk_norm_rope and one swiglu per attention / feed-forward call.
+EXPECTED = {"modulate": 4 * 2 + 2 * 4 + 1, "qk_norm_rope": 6, "swiglu": 6}
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, tier: str, dtype: torch.dtype) -> None:
+    if tier == "torch":
+        assert torch.equal(out, ref)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 ulp where the fp32 norm statistics cross a rounding boundary, carried through the blocks
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tier", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_path_equals_diffusers(tier: str, dtype: torch.dtype, calls: Dict[str, int]) -> None:
+    if tier == "triton":
+        pytest.importorskip("triton")
+    model, inputs = tiny("flux3", dtype)
+    ref = reverted(model, inputs)
+    assert not calls
+    with force_tier(tier), torchpatches.disabled("gelu_gemm"):
+        out = run(model, inputs)
+    assert dict(calls) == EXPECTED
+    _check(out, ref, tier, dtype)
+
+
+@pytest.mark.parametrize("tier", ["torch", "triton"])
+def test_fp32_qk_norms_and_reference_image(tier: str, calls: Dict[str, int]) -> None:
+    """As ``from_pretrained(torch_dtype=torch.bfloat16)`` loads it: the q/k norms' weights fp32
+    (``_keep_in_fp32_modules``); with reference image tokens (the image_cond mode blocks, a cat of the modulation
+    rows before the single blocks)."""
+    if tier == "triton":
+        pytest.importorskip("triton")
+    model, inputs = tiny("flux3", torch.bfloat16)
+    for name, module in model.named_modules():
+        if name.endswith(("norm_q", "norm_k")):
+            module.float()
+    g = torch.Generator().manual_seed(1)
+    cond = inputs["hidden_states"][:, :4]
+    inputs = dict(inputs, image_cond_hidden_states=torch.randn(cond.shape, generator=g).to(cond),
+                  image_cond_ids=inputs["img_ids"][:4] + torch.tensor([1.0, 0, 0, 0]))
+    ref = reverted(model, inputs)
+    with force_tier(tier), torchpatches.disabled("gelu_gemm"):
+        out = run(model, inputs)
+    assert calls["qk_norm_rope"] == 8 and calls["modulate"] == 6 * 2 + 2 * 4 + 1
+    _check(out, ref, tier, torch.bfloat16)
+
+
+def _declines(model: torch.nn.Module, inputs: Dict[str, Any], calls: Dict[str, int]) -> torch.Tensor:
+    ref = reverted(model, inputs)
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    return out
+
+
+def test_stock_modules_only(calls: Dict[str, int]) -> None:
+    """A q/k norm of another class, an affine block norm: diffusers' code for that stretch (the q/k chain, the
+    LayerNorm + modulate), the rest fused (the block's gated residual too)."""
+    model, inputs = tiny("flux3", torch.float32)
+
+    class Norm(torch.nn.RMSNorm):
+        pass
+
+    attn = model.single_transformer_blocks[0].attn
+    norm = Norm(attn.norm_q.normalized_shape, eps=attn.norm_q.eps)
+    norm.load_state_dict(attn.norm_q.state_dict())
+    attn.norm_q = norm
+    model.txt_mode_blocks[0].norm = torch.nn.LayerNorm(model.inner_dim, eps=1e-6)
+    _declines(model, inputs, calls)
+    assert calls["qk_norm_rope"] == EXPECTED["qk_norm_rope"] - 1
+    assert calls["modulate"] == EXPECTED["modulate"] - 1
+
+
+def test_hooked_modulation_input_and_extra_args(calls: Dict[str, int]) -> None:
+    """A block called with an extra argument runs diffusers' forward (which raises as diffusers does)."""
+    model, _ = tiny("flux3", torch.float32)
+    block = model.txt_mode_blocks[0]
+    x = torch.randn(1, 3, model.inner_dim)
+    with force_tier("torch"), pytest.raises(TypeError):
+        block(x, torch.randn(1, 3, 3 * model.inner_dim), None, "extra")
+    assert not calls
