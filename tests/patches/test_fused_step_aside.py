@@ -28,7 +28,7 @@ from diffusers.models import embeddings, normalization  # noqa: E402
 from diffusers.models.transformers import (  # noqa: E402
     transformer_ideogram4, transformer_kandinsky6, transformer_krea2,
 )
-from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402
+from diffusers.models.transformers import transformer_flux, transformer_flux2, transformer_flux3  # noqa: E402
 from torchpatches.ops._modulate import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
@@ -243,6 +243,10 @@ REBINDS = {
                                      lambda real: lambda normed, x, scale, shift: real(normed, x, scale, shift * 0)),
     "kandinsky6 F.rms_norm": ("kandinsky6", torch.nn.functional, "rms_norm", _half_layer_norm),
     "kandinsky6 F.layer_norm": ("kandinsky6", torch.nn.functional, "layer_norm", _half_layer_norm),
+    "flux3 apply_rotary_emb": ("flux3", transformer_flux3, "apply_rotary_emb", lambda real: _identity_rope),
+    "flux3 F.rms_norm": ("flux3", torch.nn.functional, "rms_norm", _half_layer_norm),
+    "flux3 F.layer_norm": ("flux3", torch.nn.functional, "layer_norm", _half_layer_norm),
+    "flux3 F.silu": ("flux3", torch.nn.functional, "silu", lambda real: lambda x, inplace=False: real(x) * 0.5),
 }
 
 
