@@ -4,6 +4,7 @@ Usable without any patching::
 
     out = layer_norm_modulate(x, scale, shift, eps=1e-6)          # LN(x) * (1 + scale) + shift
     h = gate_residual(residual, gate, y)                          # residual + gate * y
+    h = gate_residual(residual, gate, y, y2=y2)                   # residual + gate * (y + y2): FLUX.3's attn + ff
     h, out = gate_residual_layer_norm_modulate(residual, gate, y, scale, shift, eps=1e-6)
     h, out = residual_layer_norm_modulate(residual, y, scale, shift, eps=1e-6)  # residual + y, no gate
     h, out = gate_residual_layer_norm(residual, gate, y, weight, bias, eps=1e-6)  # affine LN(h)
@@ -97,13 +98,18 @@ def _affine(t: torch.Tensor, name: str, ref: torch.Tensor, once: bool) -> torch.
     return t.contiguous()
 
 
+def _like_residual(y: torch.Tensor, name: str, residual: torch.Tensor) -> torch.Tensor:
+    y = _rows(y, name)
+    if y.shape != residual.shape or y.dtype != residual.dtype or y.device != residual.device:
+        raise ValueError(f"{name} {tuple(y.shape)} {y.dtype} on {y.device} does not match residual "
+                         f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    return y
+
+
 def _prepare(residual, gate, y, scale, shift, once, affine=False):
     residual = _rows(residual, "x" if y is None else "residual")
     if y is not None:
-        y = _rows(y, "y")
-        if y.shape != residual.shape or y.dtype != residual.dtype or y.device != residual.device:
-            raise ValueError(f"y {tuple(y.shape)} {y.dtype} on {y.device} does not match residual "
-                             f"{tuple(residual.shape)} {residual.dtype} on {residual.device}")
+        y = _like_residual(y, "y", residual)
     if affine:
         return (residual, _vector(gate, "gate", residual, once), y, _affine(scale, "weight", residual, once),
                 _affine(shift, "bias", residual, once))
@@ -114,22 +120,31 @@ def _prepare(residual, gate, y, scale, shift, once, affine=False):
 def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
           once: bool, tier: str, affine: bool = False, norm_weight: Optional[torch.Tensor] = None,
-          addends: Optional[tuple] = None) -> list[torch.Tensor]:
+          y2: Optional[torch.Tensor] = None, addends: Optional[tuple] = None,
+          norm_out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The op body: [h] (residual only), [out] (norm only) or [h, out]. ``y`` without ``gate``: a plain
     residual add; ``affine``: ``scale``/``shift`` are a LayerNorm's [D] weight and bias; ``addends``
     (``prechecked`` only): the second terms ``(gate2, scale2, shift2)`` of two-term vectors (see there);
-    ``norm_weight``: a zero-centered RMSNorm's [D] weight (Krea 2's) in place of the LayerNorm."""
+    ``norm_weight``: a zero-centered RMSNorm's [D] weight (Krea 2's) in place of the LayerNorm; ``y2``: a second
+    branch output, ``y + y2`` rounded to the dtype before the gate (FLUX.3's ``attn_output + ff_output``);
+    ``norm_out`` (``prechecked`` only): where the norm's output goes (a ``[B, S, D]`` view, e.g. rows of a joint
+    buffer that ``torch.cat`` would fill)."""
     if tier == "torch":
+        if y2 is not None:  # diffusers: attn_output + ff_output, in their dtype
+            y = y + y2
         if addends is not None:  # Wan: (scale_shift_table + temb.float()), the fp32 sum; Krea 2: temb + table
             gate, scale, shift = (None if v is None else _modulate_torch.tokens(v) + (w.float() if once else w)
                                   for v, w in zip((gate, scale, shift), addends))
         h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine, norm_weight)
+        if norm_out is not None and out is not None:
+            out = norm_out.copy_(out)
     else:
         # empty_like: a third of torch.empty(shape, dtype=, device=)'s host time (its arguments are parsed in C++)
         h = torch.empty_like(residual, memory_format=torch.contiguous_format) if y is not None else None
-        out = torch.empty_like(residual, memory_format=torch.contiguous_format) if scale is not None else None
+        out = None if scale is None else norm_out if norm_out is not None else \
+            torch.empty_like(residual, memory_format=torch.contiguous_format)
         _triton_tier().launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine,
-                              addends=addends, norm_weight=norm_weight)
+                              addends=addends, norm_weight=norm_weight, y2=y2)
     return [t for t in (h, out) if t is not None]
 
 
@@ -140,19 +155,20 @@ _triton_tier = lazy_module(f"{__package__}._modulate_triton")
 @torch.library.custom_op("torchpatches::modulate", mutates_args=())
 def _modulate_op(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                  scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-                 once: bool, tier: str, affine: bool = False,
-                 norm_weight: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier, affine, norm_weight)
+                 once: bool, tier: str, affine: bool = False, norm_weight: Optional[torch.Tensor] = None,
+                 y2: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier, affine, norm_weight, y2)
 
 
 @_modulate_op.register_fake
-def _(residual, gate, y, scale, shift, eps, clip, once, tier, affine=False, norm_weight=None):
+def _(residual, gate, y, scale, shift, eps, clip, once, tier, affine=False, norm_weight=None, y2=None):
     n = int(y is not None) + int(scale is not None)
     return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
 
 
 @_dispatch.public
-def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affine=False, norm_weight=None):
+def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affine=False, norm_weight=None,
+         y2=None):
     if gated and gate is None:
         raise ValueError("gate must be a torch.Tensor, got None")
     if y is None and gate is not None:
@@ -166,16 +182,18 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affi
     residual, gate, y, scale, shift = _prepare(residual, gate, y, scale, shift, once, affine)
     if norm_weight is not None:
         norm_weight = _affine(norm_weight, "weight", residual, True)  # any float dtype: 1 + weight rounds to it
-    grad = needs_grad(residual, gate, y, scale, shift, norm_weight)
+    if y2 is not None:
+        y2 = _like_residual(y2, "y2", residual)
+    grad = needs_grad(residual, gate, y, scale, shift, norm_weight, y2)
     chosen = choose_tier(residual.device.type, tier, grad)
     return _dispatch.run(residual, grad, _impl, _modulate_op, residual, gate, y, scale, shift,
-                         float(eps or 0.0), bool(clip), once, chosen, bool(affine), norm_weight)
+                         float(eps or 0.0), bool(clip), once, chosen, bool(affine), norm_weight, y2)
 
 
 def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, *, clip: bool = False,
-               once: bool = False, addends: Optional[tuple] = None,
-               norm_weight: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+               once: bool = False, addends: Optional[tuple] = None, norm_weight: Optional[torch.Tensor] = None,
+               y2: Optional[torch.Tensor] = None, norm_out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The op (``[h]``, ``[out]`` or ``[h, out]``, as :func:`_impl`) for a caller that has already checked what the
     public entries check: the fusion patterns (``patches/_modulate_calls``), which test the same conditions before
     they choose the fused path. Skipped: the argument checks (plain ``torch.Tensor``s of a served dtype on one
@@ -189,7 +207,12 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
     the kernel as torch adds them: ``once``, Wan 2.2 TI2V's fp32 ``scale_shift_table + temb.float()`` without its
     ``[B, S, 6, D]`` fp32 tensor; else Krea 2's ``temb + scale_shift_table`` (one dtype, the sum rounded). Each term
     ``[B, D]`` (the table row, expanded: batch stride 0) or ``[B, S or 1, D]`` (a temb chunk, any row strides).
-    ``norm_weight``: Krea 2's zero-centered RMSNorm (``1 + weight``, any float dtype) in place of the LayerNorm."""
+    ``norm_weight``: Krea 2's zero-centered RMSNorm (``1 + weight``, any float dtype) in place of the LayerNorm.
+
+    ``y2``: a second branch output of ``y``'s shape and dtype, ``h = residual + gate * (y + y2)`` (FLUX.3's
+    ``attn_output + ff_output``, rounded as torch rounds it). ``norm_out``: a ``[B, S, D]`` view of x's dtype and
+    device (unit-stride rows, not overlapping an input) that receives the norm's output, returned in its place: the
+    rows of a joint buffer (FLUX.3's ``torch.cat([text, image])``) written without the cat's pass."""
     # Unit-stride rows, as _prepare makes them; written out: five calls of a helper cost more than the rest here.
     if residual.stride(-1) != 1:
         residual = residual.contiguous()
@@ -201,14 +224,17 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
         scale = scale.contiguous()
     if shift is not None and shift.stride(-1) != 1:
         shift = shift.contiguous()
+    if y2 is not None and y2.stride(-1) != 1:
+        y2 = y2.contiguous()
     # Inference runs without grad mode: then nothing else is read.
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (residual, gate, y, scale, shift, norm_weight))
+                                           for t in (residual, gate, y, scale, shift, norm_weight, y2))
     if addends is not None:
         addends = tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in addends)
         grad = grad or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in addends))
     tier = choose_tier(residual.device.type, None, grad)
-    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, norm_weight, addends)
+    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, norm_weight, y2,
+                 addends, norm_out)
 
 
 def layer_norm_modulate(
@@ -235,10 +261,13 @@ def gate_residual(
     *,
     clip_fp16: bool = False,
     rounding: str = "each",
+    y2: Optional[torch.Tensor] = None,
     tier: Optional[str] = None,
 ) -> torch.Tensor:
-    """``residual + gate * y`` (``gate`` broadcast over tokens), rounded per ``rounding``."""
-    return _run(residual, gate, y, None, None, None, clip_fp16, tier, True, rounding)[0]
+    """``residual + gate * y`` (``gate`` broadcast over tokens), rounded per ``rounding``; with ``y2`` (of y's
+    shape, dtype and device), ``residual + gate * (y + y2)``, ``y + y2`` rounded to the dtype first as torch adds
+    them (FLUX.3's ``hidden_states + mod_gate * (attn_output + ff_output)``)."""
+    return _run(residual, gate, y, None, None, None, clip_fp16, tier, True, rounding, y2=y2)[0]
 
 
 def gate_residual_layer_norm_modulate(

@@ -4,6 +4,7 @@ ROWS token rows per program (``[B, S, D]`` views, last dim unit-stride, any row 
 
     h   = round(residual + round(gate * y))            (HAS_GATE; fp16: clipped to +-65504 if CLIP)
     h   = round(residual + y)                          (PLAIN: a residual add without gate, Wan's cross-attn)
+    y   = round(y + y2)                                (HAS_Y2, before either: FLUX.3's attn_output + ff_output)
     out = round(round(round(LN(h)) * round(1 + scale)) + shift)   (HAS_NORM; LN without affine)
     out = round(LN(h) * weight + bias)                 (HAS_NORM and AFFINE: an affine LayerNorm, one rounding)
     out = round(round(round(h * rstd * w1) * round(1 + scale)) + shift)   (HAS_NORM and RMS: Krea 2's zero-centered
@@ -34,13 +35,15 @@ from ._runtime.triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_comb
 
 def _modulate_kernel(
     res_ptr, gate_ptr, y_ptr, scale_ptr, shift_ptr, h_ptr, out_ptr, gate2_ptr, scale2_ptr, shift2_ptr, nw_ptr,
+    y2_ptr,
     NROWS, S, D, eps,
     r_sb, r_ss, g_sb, g_ss, y_sb, y_ss, c_sb, c_ss, t_sb, t_ss, h_sb, h_ss, o_sb, o_ss,
-    g2_sb, g2_ss, c2_sb, c2_ss, t2_sb, t2_ss,
+    g2_sb, g2_ss, c2_sb, c2_ss, t2_sb, t2_ss, y2_sb, y2_ss,
     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr, LIBDEVICE: tl.constexpr,
     MID: tl.constexpr, PLAIN: tl.constexpr = False, AFFINE: tl.constexpr = False, HAS_RES: tl.constexpr = False,
     TWO_TERM: tl.constexpr = False, RMS: tl.constexpr = False, W_KIND: tl.constexpr = 0,
+    HAS_Y2: tl.constexpr = False,
 ):
     # ROWS token rows per program, [ROWS, BLOCK_D] tiles. The activations' loads are issued together so
     # their latencies overlap; the modulation vectors (L2 hits shared by every row of a sample) are loaded
@@ -61,6 +64,9 @@ def _modulate_kernel(
                                       ).to(tl.float32), MID)
     if HAS_RES:
         y = tl.load(y_ptr + (b * y_sb + s * y_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_Y2:  # FLUX.3: attn_output + ff_output, a torch add in the tensors' dtype
+            y = _round_to(y + tl.load(y2_ptr + (b * y2_sb + s * y2_ss)[:, None] + d[None, :], mask=m, other=0.0
+                                      ).to(tl.float32), KIND)
     if HAS_GATE:
         x = _round_to(x + _round_to(_mul_rn(g, y, LIBDEVICE), MID), KIND)  # no fma: torch rounds g * y first
     if PLAIN:
@@ -129,7 +135,7 @@ def _rows(t: Optional[torch.Tensor]) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bool, has_res: bool, has_norm: bool,
                       clip: bool, once: bool, affine: bool, two_term: bool = False,
-                      w_kind: Optional[int] = None) -> Mapping[str, Any]:
+                      w_kind: Optional[int] = None, has_y2: bool = False) -> Mapping[str, Any]:
     """The kernel's constexprs and launch options (``ROWS``: rows per program) of one form: built once, not per
     call."""
     cfg = pick_config(block_d, not cuda)
@@ -137,7 +143,7 @@ def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bo
         BLOCK_D=block_d, ROWS=int(cfg["ROWS"]), KIND=KINDS[dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and dtype == torch.float16), LIBDEVICE=cuda, MID=0 if once else KINDS[dtype],
         num_warps=int(cfg["num_warps"]), PLAIN=has_res and not has_gate, AFFINE=affine, HAS_RES=has_res,
-        TWO_TERM=two_term, RMS=w_kind is not None, W_KIND=w_kind or 0,
+        TWO_TERM=two_term, RMS=w_kind is not None, W_KIND=w_kind or 0, HAS_Y2=has_y2,
     ))
 
 
@@ -156,12 +162,14 @@ def launch(
     affine: bool = False,
     addends: Optional[tuple] = None,
     norm_weight: Optional[torch.Tensor] = None,
+    y2: Optional[torch.Tensor] = None,
 ) -> None:
     """``residual``, ``y`` and the outputs ``[B, S, D]``, the vectors ``[B, D]`` or ``[B, S or 1, D]``, all
     with a unit-stride last dim (checked by ``ops/_modulate.py``); ``affine``: ``scale``/``shift`` are the
     LayerNorm's ``[D]`` weight and bias; ``addends``: ``(gate2, scale2, shift2)`` added to the vectors in fp32
     (every vector given as two terms: Wan 2.2 TI2V's ``scale_shift_table`` and per-token temb, Krea 2's temb and
-    table); ``norm_weight``: the ``[D]`` weight of a zero-centered RMSNorm (Krea 2's) in place of the LayerNorm."""
+    table); ``norm_weight``: the ``[D]`` weight of a zero-centered RMSNorm (Krea 2's) in place of the LayerNorm;
+    ``y2``: added to ``y`` (rounded) before the gate."""
     B, S, D = residual.shape
     if B * S == 0:
         return
@@ -171,7 +179,7 @@ def launch(
     cuda = residual.device.type == "cuda"
     two_term = addends is not None
     key = (next_pow2(D), residual.dtype, cuda, has_gate, has_res, has_norm, bool(clip), bool(once), bool(affine),
-           two_term, None if norm_weight is None else KINDS[norm_weight.dtype])
+           two_term, None if norm_weight is None else KINDS[norm_weight.dtype], y2 is not None)
     constexprs = _launch_constants(*key)
     dummy = residual
     h = h_out if h_out is not None else n_out
@@ -183,7 +191,7 @@ def launch(
         residual, gate if has_gate else dummy, y if has_res else dummy,
         scale if has_norm else dummy, shift if has_norm else dummy, h, o,
         *((t if t is not None else dummy) for t in (addends or (None, None, None))),
-        norm_weight if norm_weight is not None else dummy, B * S, S, D, float(eps),
+        norm_weight if norm_weight is not None else dummy, y2 if y2 is not None else dummy, B * S, S, D, float(eps),
         r_sb, r_ss, *_rows(gate), *_rows(y), *_rows(scale), *_rows(shift), h_sb, h_ss, o_sb, o_ss,
-        *(stride for t in (addends or (None, None, None)) for stride in _rows(t)),
+        *(stride for t in (addends or (None, None, None)) for stride in _rows(t)), *_rows(y2),
     ), constexprs)

@@ -9,8 +9,9 @@ from typing import Any, Optional
 import torch
 
 from ..._core.lazy import lazy_module
-from .._fused_common import FALLBACK, FLOAT_DTYPES, declined, dropout, fusable, linear, remembered, stock
-from .._modulate_calls import modulated, residual
+from .._fused_common import (FALLBACK, FLOAT_DTYPES, declined, dropout, fusable, linear, plain_layer_norm,
+                             remembered, stock)
+from .._modulate_calls import _rows_fit, _vectors_fit, modulate_ops, modulated, residual
 from .qk_norm_rope import _projections_fit, _rotary_fits
 
 _FLUX3 = "diffusers.models.transformers.transformer_flux3"
@@ -105,6 +106,31 @@ def _blocks_fit(self: Any, hidden_states: Any, *tensors: Any) -> bool:
             and all(type(t) is torch.Tensor and t.dim() == 3 for t in tensors))
 
 
+def _gated_sum(h: torch.Tensor, gate: torch.Tensor, attn_output: torch.Tensor, ff_output: torch.Tensor
+               ) -> torch.Tensor:
+    """``h + gate * (attn_output + ff_output)``: one kernel (the sum read from both branches) when everything fits."""
+    if _vectors_fit(h, gate) and _rows_fit(h, attn_output) and _rows_fit(h, ff_output):
+        return modulate_ops().prechecked(h, gate, attn_output, None, None, None, y2=ff_output)[0]
+    return residual(h, gate, attn_output + ff_output, clip=False)
+
+
+def _joint_modulated(norm: Any, text: torch.Tensor, image: torch.Tensor, vectors: tuple) -> Optional[torch.Tensor]:
+    """``torch.cat([norm(text) * (1 + c_scale) + c_shift, norm(image) * (1 + scale) + shift], dim=1)``, each
+    stream's kernel writing its rows of the joint buffer (no cat pass), or None where a tensor does not fit."""
+    c_scale, c_shift, scale, shift = vectors
+    B, S, D = image.shape
+    if not (type(text) is torch.Tensor and text.dim() == 3 and text.shape[0] == B and text.shape[2] == D
+            and text.dtype == image.dtype and text.device == image.device and _vectors_fit(image, scale, shift)
+            and _vectors_fit(text, c_scale, c_shift) and plain_layer_norm(norm, D)):
+        return None
+    T = text.shape[1]
+    joint = image.new_empty((B, T + S, D))
+    ops = modulate_ops()
+    ops.prechecked(text, None, None, c_scale, c_shift, norm.eps, norm_out=joint[:, :T])
+    ops.prechecked(image, None, None, scale, shift, norm.eps, norm_out=joint[:, T:])
+    return joint
+
+
 def mode_block(self, hidden_states, temb_mod, image_rotary_emb, *args, **kwargs):
     if args or kwargs or not _blocks_fit(self, hidden_states, temb_mod):
         return FALLBACK
@@ -113,7 +139,7 @@ def mode_block(self, hidden_states, temb_mod, image_rotary_emb, *args, **kwargs)
     norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=True)
     attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
     ff_output = self.ff(norm_hidden_states)
-    return residual(hidden_states, mod_gate, attn_output + ff_output, clip=False)
+    return _gated_sum(hidden_states, mod_gate, attn_output, ff_output)
 
 
 def single_block(self, hidden_states, encoder_hidden_states, temb_mod, temb_mod_context, image_rotary_emb, *args,
@@ -123,19 +149,22 @@ def single_block(self, hidden_states, encoder_hidden_states, temb_mod, temb_mod_
     # diffusers 0.42.1 Flux3SingleTransformerBlock.forward, the glue through the modulate op where it fits.
     mod_shift, mod_scale, mod_gate = torch.chunk(temb_mod, 3, dim=-1)
     c_mod_shift, c_mod_scale, c_mod_gate = torch.chunk(temb_mod_context, 3, dim=-1)
-    norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=True)
-    norm_encoder_hidden_states = modulated(self.norm, encoder_hidden_states, c_mod_scale, c_mod_shift, fuse=True)
-    combined = torch.cat([norm_encoder_hidden_states, norm_hidden_states], dim=1)
+    combined = _joint_modulated(self.norm, encoder_hidden_states, hidden_states,
+                                (c_mod_scale, c_mod_shift, mod_scale, mod_shift))
+    if combined is None:
+        norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=True)
+        norm_encoder_hidden_states = modulated(self.norm, encoder_hidden_states, c_mod_scale, c_mod_shift, fuse=True)
+        combined = torch.cat([norm_encoder_hidden_states, norm_hidden_states], dim=1)
 
     attn_output = self.attn(hidden_states=combined, image_rotary_emb=image_rotary_emb)
     ff_output = self.ff(combined)
-    output = attn_output + ff_output
 
-    context_output, content_output = torch.split(
-        output, [encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1
-    )
-    encoder_hidden_states = residual(encoder_hidden_states, c_mod_gate, context_output, clip=False)
-    hidden_states = residual(hidden_states, mod_gate, content_output, clip=False)
+    # output = attn_output + ff_output, split into (context, content): each stream's rows summed in its kernel
+    sizes = [encoder_hidden_states.shape[1], hidden_states.shape[1]]
+    context_attn, content_attn = torch.split(attn_output, sizes, dim=1)
+    context_ff, content_ff = torch.split(ff_output, sizes, dim=1)
+    encoder_hidden_states = _gated_sum(encoder_hidden_states, c_mod_gate, context_attn, context_ff)
+    hidden_states = _gated_sum(hidden_states, mod_gate, content_attn, content_ff)
     return encoder_hidden_states, hidden_states
 
 
