@@ -19,8 +19,9 @@ from torchpatches.ops import force_tier  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fused_on")
 
-#: Per mode block (2 text + 2 image): LayerNorm + modulate, the gated residual; per single block (2): both per
-#: stream; norm_out once. One qk_norm_rope and one swiglu per attention / feed-forward call.
+#: Per mode block (2 text + 2 image): LayerNorm + modulate, the gated residual of the branch sum; per single block
+#: (2): both per stream (the LayerNorms into the joint buffer); norm_out once. One qk_norm_rope and one swiglu per
+#: attention / feed-forward call.
 EXPECTED = {"modulate": 4 * 2 + 2 * 4 + 1, "qk_norm_rope": 6, "swiglu": 6}
 
 
@@ -103,3 +104,39 @@ def test_hooked_modulation_input_and_extra_args(calls: Dict[str, int]) -> None:
     with force_tier("torch"), pytest.raises(TypeError):
         block(x, torch.randn(1, 3, 3 * model.inner_dim), None, "extra")
     assert not calls
+
+
+def test_fused_projections(calls: Dict[str, int]) -> None:
+    """After ``fuse_qkv_projections()`` the processor takes q, k, v as chunks of ``to_qkv``'s output: fused too."""
+    model, inputs = tiny("flux3", torch.bfloat16)
+    model.fuse_qkv_projections()
+    assert model.single_transformer_blocks[0].attn.fused_projections
+    ref = reverted(model, inputs)
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and calls["qk_norm_rope"] == EXPECTED["qk_norm_rope"]
+
+
+def test_single_block_text_of_another_dtype_runs_diffusers_glue(calls: Dict[str, int]) -> None:
+    """Streams that do not fit one joint buffer (here text in fp32 beside bf16 image rows): each stream's glue is
+    diffusers' expression where its tensors do not fit, torch.cat promoting as diffusers' does."""
+    model, _ = tiny("flux3", torch.bfloat16)
+    block = model.single_transformer_blocks[0]
+    g = torch.Generator().manual_seed(2)
+    D = model.inner_dim
+    x, c = torch.randn(1, 4, D, generator=g).bfloat16(), torch.randn(1, 3, D, generator=g)
+    mod, c_mod = torch.randn(1, 4, 3 * D, generator=g).bfloat16(), torch.randn(1, 3, 3 * D, generator=g)
+    rope = model.pos_embed(torch.zeros(7, 4))
+    with torchpatches.disabled("flux3", "rope"):
+        try:
+            ref = block(x, c, mod, c_mod, rope)
+        except RuntimeError as error:  # diffusers' own failure (mixed dtypes in a Linear) is the answer
+            ref = error
+    with force_tier("torch"):
+        if isinstance(ref, Exception):
+            with pytest.raises(type(ref)):
+                block(x, c, mod, c_mod, rope)
+            return
+        out = block(x, c, mod, c_mod, rope)
+    for a, b in zip(out, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b)

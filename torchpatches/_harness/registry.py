@@ -198,7 +198,9 @@ FAMILIES: Dict[str, Family] = {
         fused=dict(num_layers=2, num_single_layers=2), calls={"modulate": 17, "qk_norm_rope": 6, "swiglu": 6},
         untargeted=("Flux3Modulation", "Flux3PosEmbed"), targeted=frozenset({
             ("flux3", "Flux3ModeTransformerBlock"), ("flux3", "Flux3SingleTransformerBlock"),
-            ("flux3", "Flux3AttnProcessor"), ("flux3", "Flux3SwiGLU"), ("flux3", "Flux3AdaLayerNorm")})),
+            ("flux3", "Flux3AttnProcessor"), ("flux3", "Flux3SwiGLU"), ("flux3", "Flux3AdaLayerNorm")}),
+        lora=(("to_q", "to_k", "to_out.0", "linear_in", "linear_out", "early_stream_modulations.image.linear",
+               "norm_out.linear"), {"modulate": 17, "qk_norm_rope": 6, "swiglu": 6})),
     "qwenimage21": Family(
         "QwenImage21Transformer2DModel", dict(
             patch_size=1, in_channels=8, out_channels=8, num_layers=1, attention_head_dim=16, num_attention_heads=2,

@@ -15,9 +15,12 @@ What the patch changes
     diffusers does; between them ``ops.qk_norm_rope`` with ``rounding="fp32"`` normalizes and rotates q and k in one
     launch, fp32 until the one rounding after RoPE, as diffusers rounds. The blocks call their attention and
     feed-forward as modules and run ``norm(x) * (1 + scale) + shift`` as one kernel per stream
-    (``ops.layer_norm_modulate``, per-token vectors read in place through their row strides) and
-    ``x + gate * (attn + ff)`` as the sum and one ``ops.gate_residual`` per stream. ``Flux3SwiGLU.forward`` runs
-    ``ops.swiglu`` (the ``swiglu`` pattern's body); ``norm_out`` its modulation through ``ops.layer_norm_modulate``.
+    (``ops.layer_norm_modulate``, per-token vectors read in place through their row strides; in the single blocks
+    each stream's kernel writes its rows of the joint ``[text; image]`` buffer, so the ``torch.cat`` costs no pass)
+    and ``x + gate * (attn + ff)`` as one kernel per stream (``ops.gate_residual`` with ``y2``: the branch sum, the
+    gate and the residual in one pass, each stream reading its rows of both branch outputs, so the single block's
+    sum and ``split`` cost none either). ``Flux3SwiGLU.forward`` runs ``ops.swiglu`` (the ``swiglu`` pattern's
+    body); ``norm_out`` its modulation through ``ops.layer_norm_modulate``.
     Everything else runs diffusers' own code: ``torch.compile``, gradients, autocast, tensor subclasses, CPU tensors,
     norms that are not stock ``nn.LayerNorm`` without affine parameters or stock ``nn.RMSNorm`` (q/k), modulation
     vectors of another dtype or shape, RoPE tables that are not fp32 ``[S, D]``, extra arguments, a replaced global
