@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _fused_checks import hyp, interleaved_tables, needs_triton, pair_norm, ulps
+from test_qk_norm_rope import call_half
 from torchpatches.ops._qk_norm_rope import force_tier, prechecked, qk_norm_rope
 
 
@@ -38,14 +39,7 @@ def cases(draw: Any) -> Dict[str, Any]:
 
 
 def call(case: Dict[str, Any], tier: str):
-    (q, k, v), w = case["img"], case["weights"]
-    extra: Dict[str, Any] = {}
-    if case["txt"] is not None:
-        qt, kt, vt = case["txt"]
-        extra = dict(v=v, q_txt=qt, k_txt=kt, v_txt=vt, q_txt_weight=w[2], k_txt_weight=w[3], eps_q_txt=1e-6,
-                     eps_k_txt=1e-5)
-    return qk_norm_rope(q, k, case["cos"], case["sin"], q_weight=w[0], k_weight=w[1], eps_q=1e-6, eps_k=1e-5,
-                        rounding="fp32", tier=tier, **extra)
+    return call_half(dict(case, rounding="fp32", rope="interleaved"), tier)
 
 
 def diffusers_chain(x: torch.Tensor, norm: torch.nn.RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

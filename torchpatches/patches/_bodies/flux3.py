@@ -12,7 +12,7 @@ from ..._core.lazy import lazy_module
 from .._fused_common import (FALLBACK, FLOAT_DTYPES, declined, dropout, fusable, linear, plain_layer_norm,
                              remembered, stock)
 from .._modulate_calls import _rows_fit, _vectors_fit, modulate_ops, modulated, residual
-from .qk_norm_rope import _projections_fit, _rotary_fits
+from .qk_norm_rope import _attend, _projections_fit, _rotary_fits
 
 _FLUX3 = "diffusers.models.transformers.transformer_flux3"
 _NORMS = ("norm_q", "norm_k")
@@ -90,12 +90,7 @@ def processor(self, attn, hidden_states, attention_mask=None, image_rotary_emb=N
     else:
         query, key = qk
 
-    hidden_states = module.dispatch_attention_fn(
-        query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-        parallel_config=self._parallel_config,
-    )
-    hidden_states = hidden_states.flatten(2, 3)
-    hidden_states = hidden_states.to(query.dtype)
+    hidden_states = _attend(self, query, key, value, attention_mask, module)  # FLUX's call, flatten, .to(q's dtype)
     return dropout(attn.to_out[1], linear(attn.to_out[0], hidden_states))
 
 
