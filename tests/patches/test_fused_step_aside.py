@@ -247,6 +247,7 @@ REBINDS = {
     "flux3 F.rms_norm": ("flux3", torch.nn.functional, "rms_norm", _half_layer_norm),
     "flux3 F.layer_norm": ("flux3", torch.nn.functional, "layer_norm", _half_layer_norm),
     "flux3 F.silu": ("flux3", torch.nn.functional, "silu", lambda real: lambda x, inplace=False: real(x) * 0.5),
+    "flux3 torch.cat": ("flux3", torch, "cat", lambda real: lambda tensors, dim=0: real(list(tensors), dim=dim) + 1),
 }
 
 

@@ -24,7 +24,7 @@ What the patch changes
     Everything else runs diffusers' own code: ``torch.compile``, gradients, autocast, tensor subclasses, CPU tensors,
     norms that are not stock ``nn.LayerNorm`` without affine parameters or stock ``nn.RMSNorm`` (q/k), modulation
     vectors of another dtype or shape, RoPE tables that are not fp32 ``[S, D]``, extra arguments, a replaced global
-    (``dispatch_attention_fn``, ``F.layer_norm``, ``F.rms_norm``, ``apply_rotary_emb``, ``F.silu``).
+    (``dispatch_attention_fn``, ``F.layer_norm``, ``F.rms_norm``, ``apply_rotary_emb``, ``F.silu``, ``torch.cat``).
 
 Tolerance
     The glue rounds where diffusers rounds; the LayerNorm and RMSNorm statistics are fp32 in another summation order
@@ -38,7 +38,7 @@ When to delete
     When diffusers fuses FLUX.3's block glue and q/k chain for eager mode.
 """
 from .._core.declare import Patch, Target
-from ._fused_common import DROPOUT, FUSED_REQUIRES, LAYER_NORM, LINEAR, RMS_NORM, SILU, fused, fused_target
+from ._fused_common import CAT, DROPOUT, FUSED_REQUIRES, LAYER_NORM, LINEAR, RMS_NORM, SILU, fused, fused_target
 from ._named_parameters import named_parameters
 
 _BODY = "torchpatches.patches._bodies.flux3"
@@ -54,7 +54,7 @@ PATCH = Patch(
         fused_target("flux3", f"{_FLUX3}:Flux3ModeTransformerBlock.forward", f"{_BODY}:mode_block",
                      "4e887201ccbead5b", LAYER_NORM),
         fused_target("flux3", f"{_FLUX3}:Flux3SingleTransformerBlock.forward", f"{_BODY}:single_block",
-                     "b7777e4ffa74592e", LAYER_NORM),
+                     "b7777e4ffa74592e", LAYER_NORM + CAT),
         fused_target("flux3", f"{_FLUX3}:Flux3SwiGLU.forward", "torchpatches.patches._bodies.swiglu:_swiglu",
                      "e565d6e467a53e9b", SILU),
         fused_target("flux3", f"{_FLUX3}:Flux3AdaLayerNorm.forward", f"{_BODY}:norm_out", "14fad1e39d2af098",
