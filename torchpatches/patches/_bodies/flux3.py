@@ -13,6 +13,10 @@ from .._fused_common import (FALLBACK, FLOAT_DTYPES, declined, dropout, fusable,
                              remembered, stock)
 from .._modulate_calls import _rows_fit, _vectors_fit, modulate_ops, modulated, residual
 from .qk_norm_rope import _attend, _projections_fit, _rotary_fits
+from .swiglu import _swiglu
+
+#: ``Flux3SwiGLU.forward`` is FLUX.2's (copied; the same fingerprint): the swiglu pattern's body.
+swiglu = _swiglu
 
 _FLUX3 = "diffusers.models.transformers.transformer_flux3"
 _NORMS = ("norm_q", "norm_k")
