@@ -140,3 +140,16 @@ def test_single_block_text_of_another_dtype_runs_diffusers_glue(calls: Dict[str,
         out = block(x, c, mod, c_mod, rope)
     for a, b in zip(out, ref):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_eps_set_to_none_after_the_verdict(calls: Dict[str, int]) -> None:
+    """``norm_q.eps = None`` (RMSNorm's dtype eps) after a fused forward: diffusers' code for that processor."""
+    model, inputs = tiny("flux3", torch.float32)
+    with force_tier("torch"):
+        run(model, inputs)
+    model.txt_mode_blocks[0].attn.norm_q.eps = None
+    ref = reverted(model, inputs)
+    calls.clear()
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref) and calls["qk_norm_rope"] == EXPECTED["qk_norm_rope"] - 1

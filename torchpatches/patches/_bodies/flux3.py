@@ -61,7 +61,10 @@ def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Te
         return None
     modules = attn._modules
     norm_q, norm_k = modules["norm_q"], modules["norm_k"]
-    eps = (float(norm_q.eps), float(norm_k.eps))
+    try:  # eps is not in the remembered state: set to None (RMSNorm's default) after the verdict, diffusers' code
+        eps = (float(norm_q.eps), float(norm_k.eps))
+    except TypeError:
+        return None
     q, k, _ = _qk_ops().prechecked(query, key, *image_rotary_emb, norm_q._parameters["weight"],
                                    norm_k._parameters["weight"], eps + eps, rounding="fp32")
     return q, k
