@@ -233,8 +233,8 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
         addends = tuple(t if t is None or t.stride(-1) == 1 else t.contiguous() for t in addends)
         grad = grad or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in addends))
     tier = choose_tier(residual.device.type, None, grad)
-    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, norm_weight, y2,
-                 addends, norm_out)
+    return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, norm_weight=norm_weight,
+                 y2=y2, addends=addends, norm_out=norm_out)
 
 
 def layer_norm_modulate(
