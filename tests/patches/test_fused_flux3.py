@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import reverted, run, tiny  # noqa: E402
+from _fused_models import DEVICE, reverted, run, tiny  # noqa: E402
 from harness import registry  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
 
@@ -59,7 +59,7 @@ def test_fp32_qk_norms_and_reference_image(tier: str, calls: Dict[str, int]) -> 
     g = torch.Generator().manual_seed(1)
     cond = inputs["hidden_states"][:, :4]
     inputs = dict(inputs, image_cond_hidden_states=torch.randn(cond.shape, generator=g).to(cond),
-                  image_cond_ids=inputs["img_ids"][:4] + torch.tensor([1.0, 0, 0, 0]))
+                  image_cond_ids=inputs["img_ids"][:4] + torch.tensor([1.0, 0, 0, 0], device=DEVICE))
     ref = reverted(model, inputs)
     with force_tier(tier), torchpatches.disabled("gelu_gemm"):
         out = run(model, inputs)
@@ -84,10 +84,10 @@ def test_stock_modules_only(calls: Dict[str, int]) -> None:
         pass
 
     attn = model.single_transformer_blocks[0].attn
-    norm = Norm(attn.norm_q.normalized_shape, eps=attn.norm_q.eps)
+    norm = Norm(attn.norm_q.normalized_shape, eps=attn.norm_q.eps, device=DEVICE)
     norm.load_state_dict(attn.norm_q.state_dict())
     attn.norm_q = norm
-    model.txt_mode_blocks[0].norm = torch.nn.LayerNorm(model.inner_dim, eps=1e-6)
+    model.txt_mode_blocks[0].norm = torch.nn.LayerNorm(model.inner_dim, eps=1e-6, device=DEVICE)
     _declines(model, inputs, calls)
     assert calls["qk_norm_rope"] == EXPECTED["qk_norm_rope"] - 1
     assert calls["modulate"] == EXPECTED["modulate"] - 1
