@@ -115,25 +115,26 @@ def joint_mask(encoder_hidden_states_mask: torch.Tensor, hidden_states: torch.Te
 
 
 def _batched_freqs_fit(t: Any, device: torch.device, half: int) -> bool:
-    return type(t) is torch.Tensor and t.dtype == torch.complex64 and t.device == device and t.dim() == 3 \
-        and t.shape[2] == half and t.stride(-1) == 1
+    return type(t) is torch.Tensor and t.dtype == torch.complex64 and t.device == device and t.dim() in (2, 3) \
+        and t.shape[-1] == half and t.stride(-1) == 1
 
 
 def complex_tables(freqs: Any, rows: int, head_dim: int, device: torch.device
                    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """Z-Image's per-sample complex frequencies ``[B, S, D/2]`` as ``ops.qk_norm_rope``'s fp32 ``[B, S, D]``
-    ``cos``/``sin`` tables (each value repeated for its interleaved pair), cached per source tensor as
-    :func:`rope_tables`; None if ``freqs`` is not such a complex64 tensor with ``rows`` rows on ``device``."""
+    """Z-Image's per-sample complex frequencies ``[B, S, D/2]`` (QwenImage 2.1's shared ``[S, D/2]``) as
+    ``ops.qk_norm_rope``'s fp32 ``[B, S, D]`` (``[S, D]``) ``cos``/``sin`` tables (each value repeated for its
+    interleaved pair), cached per source tensor as :func:`rope_tables`; None if ``freqs`` is not such a complex64
+    tensor with ``rows`` rows on ``device``."""
     half = head_dim // 2
-    if not (_batched_freqs_fit(freqs, device, half) and freqs.shape[1] == rows):
+    if not (_batched_freqs_fit(freqs, device, half) and freqs.shape[-2] == rows):
         return None
     key = _versions(freqs)
     tables = _COMPLEX.get(freqs, key)
     if tables is None:
-        batch = freqs.shape[0]
+        lead = tuple(freqs.shape[:-1])  # (B, S) or (S,)
         pairs = torch.view_as_real(freqs)  # [B, S, D/2, (re, im)]
-        tables = _COMPLEX.put(freqs, key, pairs.permute(3, 0, 1, 2).unsqueeze(-1).expand(2, batch, rows, half, 2)
-                              .reshape(2, batch, rows, head_dim))
+        tables = _COMPLEX.put(freqs, key, pairs.movedim(-1, 0).unsqueeze(-1).expand(2, *lead, half, 2)
+                              .reshape(2, *lead, head_dim))
     return tables[0], tables[1]
 
 
