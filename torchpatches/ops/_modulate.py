@@ -121,15 +121,19 @@ def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
           once: bool, tier: str, affine: bool = False, norm_weight: Optional[torch.Tensor] = None,
           y2: Optional[torch.Tensor] = None, addends: Optional[tuple] = None,
-          norm_out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+          norm_out: Optional[torch.Tensor] = None, select: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The op body: [h] (residual only), [out] (norm only) or [h, out]. ``y`` without ``gate``: a plain
     residual add; ``affine``: ``scale``/``shift`` are a LayerNorm's [D] weight and bias; ``addends``
     (``prechecked`` only): the second terms ``(gate2, scale2, shift2)`` of two-term vectors (see there);
     ``norm_weight``: a zero-centered RMSNorm's [D] weight (Krea 2's) in place of the LayerNorm; ``y2``: a second
     branch output, ``y + y2`` rounded to the dtype before the gate (FLUX.3's ``attn_output + ff_output``);
     ``norm_out`` (``prechecked`` only): where the norm's output goes (a ``[B, S, D]`` view, e.g. rows of a joint
-    buffer that ``torch.cat`` would fill)."""
+    buffer that ``torch.cat`` would fill); ``select`` (``prechecked`` only): a bool [S] token mask choosing each
+    token's vector row (see there)."""
     if tier == "torch":
+        if select is not None:  # QwenImage 2.1's _select_modulation_rows, per vector
+            gate, scale, shift = (None if v is None else _modulate_torch.select_rows(v, select)
+                                  for v in (gate, scale, shift))
         if y2 is not None:  # diffusers: attn_output + ff_output, in their dtype
             y = y + y2
         if addends is not None:  # Wan: (scale_shift_table + temb.float()), the fp32 sum; Krea 2: temb + table
@@ -144,7 +148,7 @@ def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
         out = None if scale is None else norm_out if norm_out is not None else \
             torch.empty_like(residual, memory_format=torch.contiguous_format)
         _triton_tier().launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine,
-                              addends=addends, norm_weight=norm_weight, y2=y2)
+                              addends=addends, norm_weight=norm_weight, y2=y2, select=select)
     return [t for t in (h, out) if t is not None]
 
 
@@ -193,7 +197,8 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affi
 def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, *, clip: bool = False,
                once: bool = False, addends: Optional[tuple] = None, norm_weight: Optional[torch.Tensor] = None,
-               y2: Optional[torch.Tensor] = None, norm_out: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+               y2: Optional[torch.Tensor] = None, norm_out: Optional[torch.Tensor] = None,
+               select: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The op (``[h]``, ``[out]`` or ``[h, out]``, as :func:`_impl`) for a caller that has already checked what the
     public entries check: the fusion patterns (``patches/_modulate_calls``), which test the same conditions before
     they choose the fused path. Skipped: the argument checks (plain ``torch.Tensor``s of a served dtype on one
@@ -212,7 +217,11 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
     ``y2``: a second branch output of ``y``'s shape and dtype, ``h = residual + gate * (y + y2)`` (FLUX.3's
     ``attn_output + ff_output``, rounded as torch rounds it). ``norm_out``: a ``[B, S, D]`` view of x's dtype and
     device (unit-stride rows, not overlapping an input) that receives the norm's output, returned in its place: the
-    rows of a joint buffer (FLUX.3's ``torch.cat([text, image])``) written without the cat's pass."""
+    rows of a joint buffer (FLUX.3's ``torch.cat([text, image])``) written without the cat's pass.
+    ``select``: a bool ``[S]`` tensor on x's device (any stride), every vector then ``[B + 1, D]`` (unit-stride rows,
+    any row stride; not with ``addends``): token ``s`` of sample ``b`` reads row ``b`` where ``select[s]``, else row
+    ``B``, as QwenImage 2.1's ``_select_modulation_rows`` selects them (the target image's tokens their sample's
+    timestep, the text and condition images ``t = 0``), without its ``[B, S, D]`` tensors."""
     # Unit-stride rows, as _prepare makes them; written out: five calls of a helper cost more than the rest here.
     if residual.stride(-1) != 1:
         residual = residual.contiguous()
@@ -234,7 +243,7 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
         grad = grad or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in addends))
     tier = choose_tier(residual.device.type, None, grad)
     return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, norm_weight=norm_weight,
-                 y2=y2, addends=addends, norm_out=norm_out)
+                 y2=y2, addends=addends, norm_out=norm_out, select=select)
 
 
 def layer_norm_modulate(

@@ -30,6 +30,13 @@ def tokens(v: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 _tokens = tokens
 
 
+def select_rows(v: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
+    """``[B + 1, D]`` rows to per-token ``[B, S, D]`` vectors: diffusers 0.42.1 QwenImage 2.1
+    ``_select_modulation_rows(params, target_token_mask)``, verbatim."""
+    real, zero = v[:-1].unsqueeze(1), v[-1:].unsqueeze(0)
+    return torch.where(select.view(1, -1, 1), real, zero)
+
+
 def _clip_fp16(t: torch.Tensor, clip: bool) -> torch.Tensor:
     return t.clip(-65504, 65504) if clip and t.dtype == torch.float16 else t
 

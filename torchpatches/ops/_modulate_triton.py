@@ -16,7 +16,9 @@ where the LayerNorm statistics (fp32, another summation order) differ in their l
 ``MID`` = 0 (rounding once, Wan's ``.type_as``) only the stored results are rounded; the vectors may be of any float dtype.
 ``gate``, ``scale`` and ``shift`` are ``[B, S or 1, D]`` views (stride 0 over S when shared); with ``TWO_TERM`` each
 is the sum of two such views, never materialized: fp32 with ``MID`` = 0 (Wan 2.2 TI2V's ``scale_shift_table +
-temb.float()``), rounded to the dtype otherwise (Krea 2's ``temb + scale_shift_table`` in bf16).
+temb.float()``), rounded to the dtype otherwise (Krea 2's ``temb + scale_shift_table`` in bf16). With ``SELECT`` the
+vectors are ``[B + 1, D]`` rows and token ``s`` of sample ``b`` reads row ``b`` where ``select[s]``, else row ``B``
+(QwenImage 2.1's ``_select_modulation_rows``: the target image's tokens their sample's timestep, the others ``t = 0``).
 
 This module imports triton: import it only when the Triton tier is used.
 """
@@ -35,15 +37,16 @@ from ._runtime.triton_common import KINDS, _mul_rn, _round_to, _rsqrt, _sum_comb
 
 def _modulate_kernel(
     res_ptr, gate_ptr, y_ptr, scale_ptr, shift_ptr, h_ptr, out_ptr, gate2_ptr, scale2_ptr, shift2_ptr, nw_ptr,
-    y2_ptr,
+    y2_ptr, sel_ptr,
     NROWS, S, D, eps,
     r_sb, r_ss, g_sb, g_ss, y_sb, y_ss, c_sb, c_ss, t_sb, t_ss, h_sb, h_ss, o_sb, o_ss,
-    g2_sb, g2_ss, c2_sb, c2_ss, t2_sb, t2_ss, y2_sb, y2_ss,
+    g2_sb, g2_ss, c2_sb, c2_ss, t2_sb, t2_ss, y2_sb, y2_ss, sel_ss,
     BLOCK_D: tl.constexpr, ROWS: tl.constexpr, KIND: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, CLIP: tl.constexpr, LIBDEVICE: tl.constexpr,
     MID: tl.constexpr, PLAIN: tl.constexpr = False, AFFINE: tl.constexpr = False, HAS_RES: tl.constexpr = False,
     TWO_TERM: tl.constexpr = False, RMS: tl.constexpr = False, W_KIND: tl.constexpr = 0,
     HAS_Y2: tl.constexpr = False,
+    SELECT: tl.constexpr = False,
 ):
     # ROWS token rows per program, [ROWS, BLOCK_D] tiles. The activations' loads are issued together so
     # their latencies overlap; the modulation vectors (L2 hits shared by every row of a sample) are loaded
@@ -53,14 +56,17 @@ def _modulate_kernel(
     rm = r < NROWS
     b = r // S
     s = r - b * S
+    bv = b  # the vectors' row
+    if SELECT:  # QwenImage 2.1: row b where the token is selected, else the t = 0 row (row B)
+        bv = tl.where(tl.load(sel_ptr + s * sel_ss, mask=rm, other=1) != 0, b, NROWS // S)
     d = tl.arange(0, BLOCK_D)
     m = rm[:, None] & (d < D)[None, :]
     ty = h_ptr.dtype.element_ty
     x = tl.load(res_ptr + (b * r_sb + s * r_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_GATE:
-        g = tl.load(gate_ptr + (b * g_sb + s * g_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + (bv * g_sb + s * g_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         if TWO_TERM:  # Wan 2.2 TI2V: table + per-token temb, the fp32 add torch makes before chunking
-            g = _round_to(g + tl.load(gate2_ptr + (b * g2_sb + s * g2_ss)[:, None] + d[None, :], mask=m, other=0.0
+            g = _round_to(g + tl.load(gate2_ptr + (bv * g2_sb + s * g2_ss)[:, None] + d[None, :], mask=m, other=0.0
                                       ).to(tl.float32), MID)
     if HAS_RES:
         y = tl.load(y_ptr + (b * y_sb + s * y_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
@@ -84,12 +90,12 @@ def _modulate_kernel(
             xc = tl.where(m, x - mean[:, None], 0.0)
             var = tl.reduce(xc * xc, 1, _sum_combine) / D
             rstd = _rsqrt(var + eps, LIBDEVICE)
-        sc = tl.load(scale_ptr + (b * c_sb + s * c_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
-        sh = tl.load(shift_ptr + (b * t_sb + s * t_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        sc = tl.load(scale_ptr + (bv * c_sb + s * c_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        sh = tl.load(shift_ptr + (bv * t_sb + s * t_ss)[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
         if TWO_TERM:
-            sc = _round_to(sc + tl.load(scale2_ptr + (b * c2_sb + s * c2_ss)[:, None] + d[None, :], mask=m,
+            sc = _round_to(sc + tl.load(scale2_ptr + (bv * c2_sb + s * c2_ss)[:, None] + d[None, :], mask=m,
                                         other=0.0).to(tl.float32), MID)
-            sh = _round_to(sh + tl.load(shift2_ptr + (b * t2_sb + s * t2_ss)[:, None] + d[None, :], mask=m,
+            sh = _round_to(sh + tl.load(shift2_ptr + (bv * t2_sb + s * t2_ss)[:, None] + d[None, :], mask=m,
                                         other=0.0).to(tl.float32), MID)
         if AFFINE:  # torch's LayerNorm with weight and bias: fp32 throughout, one rounding
             o = _round_to(xc * rstd[:, None] * sc + sh, KIND)
@@ -135,7 +141,8 @@ def _rows(t: Optional[torch.Tensor]) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)
 def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bool, has_res: bool, has_norm: bool,
                       clip: bool, once: bool, affine: bool, two_term: bool = False,
-                      w_kind: Optional[int] = None, has_y2: bool = False) -> Mapping[str, Any]:
+                      w_kind: Optional[int] = None, has_y2: bool = False,
+                      select: bool = False) -> Mapping[str, Any]:
     """The kernel's constexprs and launch options (``ROWS``: rows per program) of one form: built once, not per
     call."""
     cfg = pick_config(block_d, not cuda)
@@ -143,7 +150,7 @@ def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bo
         BLOCK_D=block_d, ROWS=int(cfg["ROWS"]), KIND=KINDS[dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and dtype == torch.float16), LIBDEVICE=cuda, MID=0 if once else KINDS[dtype],
         num_warps=int(cfg["num_warps"]), PLAIN=has_res and not has_gate, AFFINE=affine, HAS_RES=has_res,
-        TWO_TERM=two_term, RMS=w_kind is not None, W_KIND=w_kind or 0, HAS_Y2=has_y2,
+        TWO_TERM=two_term, RMS=w_kind is not None, W_KIND=w_kind or 0, HAS_Y2=has_y2, SELECT=select,
     ))
 
 
@@ -163,13 +170,15 @@ def launch(
     addends: Optional[tuple] = None,
     norm_weight: Optional[torch.Tensor] = None,
     y2: Optional[torch.Tensor] = None,
+    select: Optional[torch.Tensor] = None,
 ) -> None:
     """``residual``, ``y`` and the outputs ``[B, S, D]``, the vectors ``[B, D]`` or ``[B, S or 1, D]``, all
     with a unit-stride last dim (checked by ``ops/_modulate.py``); ``affine``: ``scale``/``shift`` are the
     LayerNorm's ``[D]`` weight and bias; ``addends``: ``(gate2, scale2, shift2)`` added to the vectors in fp32
     (every vector given as two terms: Wan 2.2 TI2V's ``scale_shift_table`` and per-token temb, Krea 2's temb and
     table); ``norm_weight``: the ``[D]`` weight of a zero-centered RMSNorm (Krea 2's) in place of the LayerNorm;
-    ``y2``: added to ``y`` (rounded) before the gate."""
+    ``y2``: added to ``y`` (rounded) before the gate; ``select``: a bool ``[S]`` token mask, the vectors ``[B + 1, D]``
+    rows (see the module docstring)."""
     B, S, D = residual.shape
     if B * S == 0:
         return
@@ -179,7 +188,7 @@ def launch(
     cuda = residual.device.type == "cuda"
     two_term = addends is not None
     key = (next_pow2(D), residual.dtype, cuda, has_gate, has_res, has_norm, bool(clip), bool(once), bool(affine),
-           two_term, None if norm_weight is None else KINDS[norm_weight.dtype], y2 is not None)
+           two_term, None if norm_weight is None else KINDS[norm_weight.dtype], y2 is not None, select is not None)
     constexprs = _launch_constants(*key)
     dummy = residual
     h = h_out if h_out is not None else n_out
@@ -191,7 +200,9 @@ def launch(
         residual, gate if has_gate else dummy, y if has_res else dummy,
         scale if has_norm else dummy, shift if has_norm else dummy, h, o,
         *((t if t is not None else dummy) for t in (addends or (None, None, None))),
-        norm_weight if norm_weight is not None else dummy, y2 if y2 is not None else dummy, B * S, S, D, float(eps),
+        norm_weight if norm_weight is not None else dummy, y2 if y2 is not None else dummy,
+        select.view(torch.uint8) if select is not None else dummy, B * S, S, D, float(eps),
         r_sb, r_ss, *_rows(gate), *_rows(y), *_rows(scale), *_rows(shift), h_sb, h_ss, o_sb, o_ss,
         *(stride for t in (addends or (None, None, None)) for stride in _rows(t)), *_rows(y2),
+        select.stride(0) if select is not None else 0,
     ), constexprs)

@@ -122,21 +122,24 @@ def _block_fits(block: Any, x: torch.Tensor) -> bool:
 _ZEROS: dict = {}
 
 
-def _zero_shift(x: torch.Tensor) -> torch.Tensor:
-    """A zero vector broadcast as ``[B, 1, D]`` (batch stride 0): ``round(round(n * (1 + scale)) + 0)`` is diffusers'
-    ``n * (1 + scale)`` (up to the sign of a zero). Made outside inference mode: usable in every mode after."""
+def _zero_shift(x: torch.Tensor, rows: int, select: Optional[torch.Tensor]) -> torch.Tensor:
+    """A zero vector of ``rows`` rows (batch stride 0; ``[B + 1, D]`` with ``select``, else ``[B, 1, D]``):
+    ``round(round(n * (1 + scale)) + 0)`` is diffusers' ``n * (1 + scale)`` (up to the sign of a zero). Made outside
+    inference mode: usable in every mode after."""
     key = (x.dtype, x.device, x.shape[-1])
     zero = _ZEROS.get(key)
     if zero is None:
         with torch.inference_mode(False):
-            zero = _ZEROS[key] = torch.zeros(1, 1, x.shape[-1], dtype=x.dtype, device=x.device)
-    return zero.expand(x.shape[0], 1, x.shape[-1])
+            zero = _ZEROS[key] = torch.zeros(1, x.shape[-1], dtype=x.dtype, device=x.device)
+    return zero.expand(rows, x.shape[-1]) if select is not None else zero.expand(rows, 1, x.shape[-1])
 
 
 def _vectors(x: torch.Tensor, modulation: Any, mask: Any) -> Optional[tuple]:
-    """``(scale1, tanh(gate1), scale2, tanh(gate2))`` as diffusers' ``_modulate`` selects them per token
-    (``_select_modulation_rows``: ``[B, 1, D]`` without a mask, ``[B, S, D]`` with one), for the modulate op; None
-    where they do not fit (diffusers' block runs)."""
+    """``(scale1, tanh(gate1), scale2, tanh(gate2), select)`` for the modulate op: without a mask the ``[B, 1, D]``
+    vectors diffusers' ``_select_modulation_rows`` makes (``select`` None); with one the ``[B + 1, D]`` rows and the
+    mask as ``select`` (the op picks each token's row as ``_select_modulation_rows`` does, without its ``[B, S, D]``
+    tensors: ``tanh`` of the selected rows is the selected ``tanh`` rows). None where they do not fit (diffusers'
+    block runs)."""
     B, S, D = x.shape
     rows = B if mask is None else B + 1
     if not (type(modulation) is torch.Tensor and modulation.dtype == x.dtype and modulation.device == x.device
@@ -147,9 +150,10 @@ def _vectors(x: torch.Tensor, modulation: Any, mask: Any) -> Optional[tuple]:
                                  and tuple(mask.shape) == (S,)):
         declined("target_token_mask is not a bool [S] tensor")
         return None
-    select = sys.modules[_Q21]._select_modulation_rows
     scale1, gate1, scale2, gate2 = modulation.chunk(4, dim=-1)  # = chunk(2) of each chunk(2) half
-    return (select(scale1, mask), select(gate1, mask).tanh(), select(scale2, mask), select(gate2, mask).tanh())
+    if mask is None:
+        return scale1.unsqueeze(1), gate1.tanh().unsqueeze(1), scale2.unsqueeze(1), gate2.tanh().unsqueeze(1), None
+    return scale1, gate1.tanh(), scale2, gate2.tanh(), mask
 
 
 def _feed_forward(ff: Any, y: torch.Tensor) -> torch.Tensor:
@@ -175,25 +179,31 @@ def block(self, hidden_states, modulation, rotary_emb=None, attention_mask=None,
     vectors = _vectors(x, modulation, target_token_mask)
     if vectors is None:
         return FALLBACK
-    scale1, gate1, scale2, gate2 = vectors
-    zero = _zero_shift(x)
+    scale1, gate1, scale2, gate2, select = vectors
+    zero = _zero_shift(x, modulation.shape[0], select)
     ops = _modulate()
     norm1, norm2 = self._modules["img_norm1"], self._modules["img_norm2"]
     # diffusers 0.42.1 QwenImage21TransformerBlock.forward: img_norm1(x) * (1 + scale1)
-    y = ops.prechecked(x, None, None, scale1, zero, norm1.eps)[0]
+    y = ops.prechecked(x, None, None, scale1, zero, norm1.eps, select=select)[0]
     attn_output = self.attn(
         hidden_states=y, attention_mask=attention_mask, rotary_emb=rotary_emb, layer_cache=layer_cache,
         kv_cache_mode=kv_cache_mode, cache_write_slice=cache_write_slice, segments=segments, key_valid=key_valid,
     )
     if not _rows_fit(x, attn_output):  # a processor that returns another form: diffusers' expressions from here
-        x = x + gate1 * attn_output
-        x = x + gate2 * self.img_mlp(norm2(x) * (1 + scale2))
+        x = x + _per_token(gate1, select) * attn_output
+        x = x + _per_token(gate2, select) * self.img_mlp(norm2(x) * (1 + _per_token(scale2, select)))
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
     # x + tanh(gate1) * attn_output; img_norm2(x) * (1 + scale2)
-    x, y = ops.prechecked(x, gate1, attn_output, scale2, zero, norm2.eps)
+    x, y = ops.prechecked(x, gate1, attn_output, scale2, zero, norm2.eps, select=select)
     ff_output = _feed_forward(self._modules["img_mlp"], y)
     if not _rows_fit(x, ff_output):
-        x = x + gate2 * ff_output
+        x = x + _per_token(gate2, select) * ff_output
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
     # x + tanh(gate2) * img_mlp(...), then the fp16 clip
-    return ops.prechecked(x, gate2, ff_output, None, None, None, clip=True)[0]
+    return ops.prechecked(x, gate2, ff_output, None, None, None, clip=True, select=select)[0]
+
+
+def _per_token(v: torch.Tensor, select: Optional[torch.Tensor]) -> torch.Tensor:
+    """A vector as diffusers' expressions take it: the ``[B + 1, D]`` rows selected per token (diffusers' own
+    ``_select_modulation_rows``), or the ``[B, 1, D]`` vector itself."""
+    return v if select is None else sys.modules[_Q21]._select_modulation_rows(v, select)
