@@ -26,7 +26,7 @@ import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, MODELS, latents, output, reverted, run, tiny  # noqa: E402
 from diffusers.models import embeddings, normalization  # noqa: E402
 from diffusers.models.transformers import (  # noqa: E402
-    transformer_ideogram4, transformer_kandinsky6, transformer_krea2,
+    transformer_ideogram4, transformer_kandinsky6, transformer_krea2, transformer_qwenimage21,
 )
 from diffusers.models.transformers import transformer_flux, transformer_flux2, transformer_flux3  # noqa: E402
 from torchpatches.ops._modulate import force_tier  # noqa: E402
@@ -248,6 +248,12 @@ REBINDS = {
     "flux3 F.layer_norm": ("flux3", torch.nn.functional, "layer_norm", _half_layer_norm),
     "flux3 F.silu": ("flux3", torch.nn.functional, "silu", lambda real: lambda x, inplace=False: real(x) * 0.5),
     "flux3 torch.cat": ("flux3", torch, "cat", lambda real: lambda tensors, dim=0: real(list(tensors), dim=dim) + 1),
+    "qwenimage21 apply_rotary_emb_qwen": ("qwenimage21", transformer_qwenimage21, "apply_rotary_emb_qwen",
+                                          lambda real: lambda x, freqs, use_real=True, use_real_unbind_dim=-1: x),
+    "qwenimage21 _select_modulation_rows": ("qwenimage21", transformer_qwenimage21, "_select_modulation_rows",
+                                            lambda real: lambda params, mask: real(params, mask) * 0.5),
+    "qwenimage21 F.silu": ("qwenimage21", torch.nn.functional, "silu",
+                           lambda real: lambda x, inplace=False: real(x) * 0.5),
 }
 
 
