@@ -24,7 +24,8 @@ from torchpatches.ops import force_tier  # noqa: E402
 pytestmark = pytest.mark.usefixtures("fused_on")
 
 #: Per block: img_norm1 + modulate, gate + residual + img_norm2 + modulate, gate + residual (modulate), the SwiGLU
-#: product (swiglu), q/k norm + RoPE (qk_norm_rope; the cached step only): the registry's row.
+#: product (swiglu), q/k norm + RoPE with k written behind the cached keys (qk_norm_rope; the cached step only): the
+#: registry's row.
 EXPECTED = registry.FAMILIES["qwenimage21"].calls
 #: The prefill (and a run without the cache): the block glue fused, the per-segment attention diffusers' processor.
 PREFILL = {"modulate": 6, "swiglu": 2}

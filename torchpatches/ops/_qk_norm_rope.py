@@ -140,18 +140,27 @@ def _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first
 
 
 def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, rope,
-          tier, k_repeat=1) -> list[torch.Tensor]:
+          tier, k_repeat=1, k_prefix=None) -> list[torch.Tensor]:
     eps = tuple(eps)
     each = rounding == "each"
     half = rope == "half_each"
     chain = rounding == "fp32"
     if tier == "torch":
-        return _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, half, k_repeat)
+        outs = _torch_tier(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, rounding, half, k_repeat)
+        if k_prefix is not None:  # QwenImage 2.1's KV cache: torch.cat([cached_k, key], dim=1)
+            outs[1] = torch.cat([k_prefix, outs[1]], dim=1)
+        return outs
     kernels = _triton_tier()
     B, S, H, D = q.shape
     S_all = S + (qt.shape[1] if qt is not None else 0)
     new = lambda: torch.empty((B, S_all, H, D), dtype=q.dtype, device=q.device)  # noqa: E731
     q_out, k_out = new(), (new() if k is not None else None)
+    k_whole = k_out
+    if k_prefix is not None:  # k's rows written behind the prefix's copy: the cat costs no pass over k
+        P = k_prefix.shape[1]
+        k_whole = torch.empty((B, P + S_all, H, D), dtype=q.dtype, device=q.device)
+        k_whole[:, :P].copy_(k_prefix)
+        k_out = k_whole[:, P:]
     v_out = new() if qt is not None else None
     if qt is not None and not text_first:
         # The kernel writes its "first" group's rows first: hand it the image tensors there.
@@ -159,7 +168,7 @@ def _impl(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, text_first, roun
         eps = (eps[2], eps[3], eps[0], eps[1])
     kernels.launch(q, k, v, qt, kt, vt, wq, wk, wqt, wkt, eps, cos, sin, q_out, k_out, v_out, each=each,
                    half_split=half, zero_centered=rounding == "zero_centered", k_repeat=k_repeat, chain=chain)
-    return [q_out, k_out, v_out if v_out is not None else v]
+    return [q_out, k_whole, v_out if v_out is not None else v]
 
 
 #: The Triton tier's module, imported at its first call (it imports triton).
@@ -272,7 +281,7 @@ def prechecked(q: torch.Tensor, k: Optional[torch.Tensor], cos: Optional[torch.T
                q_txt: Optional[torch.Tensor] = None, k_txt: Optional[torch.Tensor] = None,
                v_txt: Optional[torch.Tensor] = None, q_txt_weight: Optional[torch.Tensor] = None,
                k_txt_weight: Optional[torch.Tensor] = None, rounding: str = "once",
-               rope: str = "interleaved", k_repeat: int = 1) -> tuple:
+               rope: str = "interleaved", k_repeat: int = 1, k_prefix: Optional[torch.Tensor] = None) -> tuple:
     """:func:`qk_norm_rope` (text first; ``eps``: the four floats ``(q, k, q_txt, k_txt)``; ``rounding`` and
     ``rope`` as there, unchecked: one of ``ROUNDINGS`` / ``ROPES``)
     for a caller that has made its checks: the FLUX ``qk_norm_rope`` pattern (``patches/qk_norm_rope``), which
@@ -284,7 +293,11 @@ def prechecked(q: torch.Tensor, k: Optional[torch.Tensor], cos: Optional[torch.T
     ``k_repeat`` > 1 (Krea 2's GQA): k with ``H / k_repeat`` heads, no text tensors, read with its own strides.
 
     ``k=None`` (and ``k_weight=None``; no text tensors): ``q`` alone, normalized and rotated by its own tables, the
-    returned k None: Kandinsky 6's cross-attentions, whose q and k differ in length and tables (one launch each)."""
+    returned k None: Kandinsky 6's cross-attentions, whose q and k differ in length and tables (one launch each).
+
+    ``k_prefix`` (k given, no text tensors, ``k_repeat`` 1): a ``[B, P, H, D]`` tensor of q's dtype and device put
+    in front of the returned k as it is, ``torch.cat([k_prefix, k], dim=1)`` (QwenImage 2.1's KV cache: the prompt's
+    cached keys, already normalized and rotated); the kernel writes k's rows behind the prefix's copy."""
     joint = q_txt is not None
     if k is None:
         q = _unit_head_dim(q)
@@ -300,7 +313,7 @@ def prechecked(q: torch.Tensor, k: Optional[torch.Tensor], cos: Optional[torch.T
     tier = choose_tier(q.device.type, None, grad)
     outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight.contiguous(), k_weight.contiguous() if k is not None else None,
                  q_txt_weight.contiguous() if joint else None, k_txt_weight.contiguous() if joint else None,
-                 eps, cos, sin, True, rounding, rope, tier, k_repeat)
+                 eps, cos, sin, True, rounding, rope, tier, k_repeat, k_prefix)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)
 
 

@@ -54,7 +54,7 @@ def _qk_norm_rope_kernel(
     wq_ptr, wk_ptr, wqt_ptr, wkt_ptr, cos_ptr, sin_ptr,
     qo_ptr, ko_ptr, vo_ptr,
     S_TXT, S_TOT, H, NHB, eps_q, eps_k, eps_qt, eps_kt,
-    i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sb, c_sr, s_sb, s_sr, k_sb, k_ss, k_sh,
+    i_sb, i_ss, i_sh, t_sb, t_ss, t_sh, o_sb, o_ss, o_sh, c_sb, c_sr, s_sb, s_sr, k_sb, k_ss, k_sh, ko_sb,
     D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, KIND: tl.constexpr, LIBDEVICE: tl.constexpr,
     ROPE: tl.constexpr, EACH: tl.constexpr, HALF_SPLIT: tl.constexpr, ZERO_CENTERED: tl.constexpr = False,
     W_KIND: tl.constexpr = 0, REP: tl.constexpr = 1, CHAIN: tl.constexpr = False,
@@ -101,7 +101,8 @@ def _qk_norm_rope_kernel(
             w_ptr = wq_ptr
             eps = eps_q
     src = row[:, None] + j[None, :]
-    dst = b * o_sb + s * o_ss + h[:, None] * o_sh + j[None, :]
+    # k's output may be the rows of a longer buffer behind a prefix (its own batch stride; others as q's)
+    dst = b * tl.where(which == 1, ko_sb, o_sb) + s * o_ss + h[:, None] * o_sh + j[None, :]
     if which == 2:
         xv = tl.load(x_ptr + src, mask=m, other=0.0)
         tl.store(vo_ptr + dst, xv, mask=m)
@@ -176,7 +177,8 @@ def launch(
     q_out: torch.Tensor, k_out: Optional[torch.Tensor], v_out: Optional[torch.Tensor], each: bool = False,
     half_split: bool = False, zero_centered: bool = False, k_repeat: int = 1, chain: bool = False,
 ) -> None:
-    """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``.
+    """Image tensors ``[B, S_img, H, D]``, text ``[B, S_txt, H, D]`` (or None), outputs contiguous ``[B, S, H, D]``
+    (k's may be the last rows of a longer contiguous buffer: its batch stride is read).
     ``cos``/``sin``: ``[S, D]`` or ``[B or 1, S, D]`` (unit-stride last dim), or None: no RoPE; ``each``: diffusers'
     RMSNorm rounding, ``half_split``: Ideogram 4's half-split RoPE, tables of the output dtype (see the module
     docstring); ``zero_centered``: Krea 2's ``1 + weight``; ``k_repeat``: GQA, k with ``H / k_repeat`` heads (no
@@ -205,7 +207,7 @@ def launch(
         q.stride(0), q.stride(1), q.stride(2), txt.stride(0), txt.stride(1), txt.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2),
         *(_table_strides(cos) if rope else (0, 0)), *(_table_strides(sin) if rope else (0, 0)),
-        k.stride(0), k.stride(1), k.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), (k_out if k_out is not None else q_out).stride(0),
     ), dict(
         D=D, HALF=half, BLOCK_H=block_h, KIND=KINDS[q.dtype], LIBDEVICE=q.device.type == "cuda",
         ROPE=rope, EACH=bool(each), HALF_SPLIT=bool(half_split) and rope, ZERO_CENTERED=bool(zero_centered),

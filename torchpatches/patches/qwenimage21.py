@@ -14,13 +14,17 @@ What the patch changes
     The block's ``forward`` calls attention and the feed-forward's Linears as modules (LoRA layers and hooks on them
     keep working); in between it runs ``torchpatches.ops`` modulate (LayerNorm, ``"each"`` rounding):
     ``img_norm1(x) * (1 + scale1)`` in one kernel (with a zero shift: exact), ``x + tanh(gate1) * attn`` with
-    ``img_norm2(x) * (1 + scale2)`` in one, ``x + tanh(gate2) * ff`` (and the fp16 clip) in one, on the vectors
-    diffusers selects (``_select_modulation_rows``, then ``tanh``); and ``silu(gate_layer(y)) * proj(y)`` through
-    the two-input ``ops.swiglu``. The processor runs the projections, the KV-cache concat and the attention call as
-    diffusers does (``dispatch_attention_fn`` with the processor's backend and mask) and replaces the q/k stretch by
+    ``img_norm2(x) * (1 + scale2)`` in one, ``x + tanh(gate2) * ff`` (and the fp16 clip) in one; and
+    ``silu(gate_layer(y)) * proj(y)`` through the two-input ``ops.swiglu``. Each token's modulation row (its
+    sample's for the target image, the ``t = 0`` row for the prompt: ``_select_modulation_rows``) is chosen in the
+    kernels (``select``) from the shared ``[B + 1, D]`` rows, ``tanh`` taken of the gate rows: no ``[B, S, D]``
+    vector tensors (diffusers writes four per block) and no ``tanh`` pass over them. The
+    processor runs the projections, the values' KV-cache concat and the attention call as diffusers does
+    (``dispatch_attention_fn`` with the processor's backend and mask) and replaces the q/k stretch by
     ``ops.qk_norm_rope(rounding="each")`` with the complex ``[S, D/2]`` table as fp32 ``cos``/``sin``
-    (``_per_step.complex_tables``: once per step, per block under ``torch.inference_mode()``); its PyTorch tier
-    rotates with diffusers' own complex multiply. The prefill's per-segment attention (``segments``: the first
+    (``_per_step.complex_tables``: once per step, per block under ``torch.inference_mode()``), writing k behind the
+    cached keys (``k_prefix``: the keys' concat costs no pass over k); its PyTorch tier rotates with diffusers' own
+    complex multiply and concatenates as diffusers does. The prefill's per-segment attention (``segments``: the first
     step of a KV-cached run, every step without the cache) runs diffusers' processor. Everything else runs
     diffusers' own code: ``torch.compile``, gradients, autocast, tensor subclasses, CPU tensors, norms that are not
     stock (``nn.LayerNorm`` without affine parameters, diffusers ``RMSNorm`` with a weight of the activations'

@@ -26,14 +26,21 @@ _per_step = lazy_module("torchpatches.patches._per_step")
 # ---- the attention processor --------------------------------------------------------------------------------
 
 
-def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary_emb: Any
-              ) -> Optional[tuple]:
-    """``(q, k)`` normalized as diffusers' ``RMSNorm`` rounds (``.to(value.dtype)`` then a no-op) and rotated, q and k
-    in one ``ops.qk_norm_rope`` launch; None where a tensor does not fit it (diffusers' stretch runs).
+def _prefix_fits(cached_k: Any, key: torch.Tensor) -> bool:
+    """The cached keys ``[B, P, H, D]`` of the new keys' dtype, device, batch, heads and head dim."""
+    return (type(cached_k) is torch.Tensor and cached_k.dtype == key.dtype and cached_k.device == key.device
+            and cached_k.dim() == 4 and cached_k.shape[0] == key.shape[0] and cached_k.shape[2:] == key.shape[2:])
+
+
+def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rotary_emb: Any,
+              cached_k: Any) -> Optional[tuple]:
+    """``(q, k, prefixed)``: q and k normalized as diffusers' ``RMSNorm`` rounds (``.to(value.dtype)`` then a no-op)
+    and rotated in one ``ops.qk_norm_rope`` launch, k behind the KV cache's keys where ``prefixed`` (``cached_k``:
+    the cached step's, else None); None where a tensor does not fit it (diffusers' stretch runs).
 
     The PyTorch tier has the op normalize only and rotates with diffusers' own complex multiply, as the QwenImage
     (v1) processor does (``_joint_attention._fused_qkv``: torch rounds a complex product differently from the
-    real-form rotation where its vectorized loop does not reach)."""
+    real-form rotation where its vectorized loop does not reach); the caller then concatenates as diffusers does."""
     if not (type(key) is torch.Tensor and type(value) is torch.Tensor and key.shape == query.shape
             and key.dtype == value.dtype == query.dtype and query.shape[-1] % 2 == 0
             and diffusers_rms_norms_fit(attn, query, _QK_NORMS)):
@@ -52,12 +59,13 @@ def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Te
         tables = (None, None) if own_rotation else found
     modules = attn._modules
     norm_q, norm_k = modules["norm_q"], modules["norm_k"]
+    prefix = cached_k if not own_rotation and cached_k is not None and _prefix_fits(cached_k, key) else None
     q, k, _ = prechecked(query, key, *tables, norm_q.weight, norm_k.weight, (norm_q.eps, norm_k.eps, 0.0, 0.0),
-                         rounding="each")
+                         rounding="each", k_prefix=prefix)
     if own_rotation:
         rotate = sys.modules[_Q21].apply_rotary_emb_qwen
         q, k = rotate(q, rotary_emb, use_real=False), rotate(k, rotary_emb, use_real=False)
-    return q, k
+    return q, k, prefix is not None
 
 
 def processor(self, attn, hidden_states, attention_mask=None, rotary_emb=None, layer_cache=None, kv_cache_mode=None,
@@ -76,7 +84,9 @@ def processor(self, attn, hidden_states, attention_mask=None, rotary_emb=None, l
     query = query.unflatten(-1, (-1, head_dim))
     key = key.unflatten(-1, (-1, head_dim))
     value = value.unflatten(-1, (-1, head_dim))
-    qk = _fused_qk(attn, query, key, value, rotary_emb)
+    cached = layer_cache.get() if layer_cache is not None and kv_cache_mode == "cached" else None
+    qk = _fused_qk(attn, query, key, value, rotary_emb, None if cached is None else cached[0])
+    prefixed = False
     if qk is None:
         query = attn.norm_q(query).to(value.dtype)
         key = attn.norm_k(key).to(value.dtype)
@@ -84,13 +94,14 @@ def processor(self, attn, hidden_states, attention_mask=None, rotary_emb=None, l
             query = module.apply_rotary_emb_qwen(query, rotary_emb, use_real=False)
             key = module.apply_rotary_emb_qwen(key, rotary_emb, use_real=False)
     else:
-        query, key = qk
+        query, key, prefixed = qk
     if layer_cache is not None:
         if kv_cache_mode == "extract" and cache_write_slice is not None:
             layer_cache.store(key[:, cache_write_slice].clone(), value[:, cache_write_slice].clone())
         elif kv_cache_mode == "cached":
-            cached_k, cached_v = layer_cache.get()
-            key = torch.cat([cached_k, key], dim=1)
+            cached_k, cached_v = cached
+            if not prefixed:  # else the op wrote k behind the cached keys
+                key = torch.cat([cached_k, key], dim=1)
             value = torch.cat([cached_v, value], dim=1)
     seq_len_q = query.shape[1]
     hidden_states = module.dispatch_attention_fn(
