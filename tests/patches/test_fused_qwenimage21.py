@@ -3,7 +3,7 @@
 The registry-wide tests (test_fused_families.py) run the KV-cached step (every step after the first) of the tiny
 ``qwenimage21-fused`` transformer. Here what only this family has (CPU, a forced tier standing in for the GPU): the
 prefill step that writes the KV cache (text tokens modulated from ``t = 0``: each token's modulation row chosen by the
-op's ``select`` form; the per-segment attention is diffusers' processor), a run without the cache, a batch of two
+op's ``select`` form; the processor's per-segment attention), a run without the cache, a batch of two
 with its own timesteps, and no ``causal_condition`` (one modulation row per sample), all with random q/k norm
 weights.
 """
@@ -27,8 +27,6 @@ pytestmark = pytest.mark.usefixtures("fused_on")
 #: product (swiglu), q/k norm + RoPE with k written behind the cached keys (qk_norm_rope; the cached step only): the
 #: registry's row.
 EXPECTED = registry.FAMILIES["qwenimage21"].calls
-#: The prefill (and a run without the cache): the block glue fused, the per-segment attention diffusers' processor.
-PREFILL = {"modulate": 6, "swiglu": 2}
 
 
 def _model(dtype: torch.dtype, **config: Any) -> torch.nn.Module:
@@ -126,7 +124,7 @@ def test_every_step_kind_equals_diffusers(dtype: torch.dtype, mode: Any, tier: s
     ref = _both(model, inputs, None)
     assert not calls
     got = _both(model, inputs, tier)
-    assert dict(calls) == (EXPECTED if mode == "cached" else PREFILL)
+    assert dict(calls) == EXPECTED
     _check(got, ref, tier)
 
 
@@ -140,7 +138,7 @@ def test_a_batch_of_two_with_its_own_timesteps(mode: str, tier: str, calls: Dict
     model, inputs = _model(torch.float32), _batch_of_two(_inputs(torch.float32, mode))
     ref = _both(model, inputs, None)
     got = _both(model, inputs, tier)
-    assert dict(calls) == (EXPECTED if mode == "cached" else PREFILL)
+    assert dict(calls) == EXPECTED
     _check(got, ref, tier)
 
 
@@ -152,5 +150,32 @@ def test_without_causal_condition(tier: str, calls: Dict[str, int]) -> None:
     model, inputs = _model(torch.float32, causal_condition=False), _batch_of_two(_inputs(torch.float32, None))
     ref = _both(model, inputs, None)
     got = _both(model, inputs, tier)
-    assert dict(calls) == PREFILL
+    assert dict(calls) == EXPECTED
+    _check(got, ref, tier)
+
+
+def _with_condition_image(inputs: Dict[str, Any]) -> Dict[str, Any]:
+    """An edit prompt: 3 text tokens, a condition image of 2 x 2 latents (one vision slot), 2 text tokens (the last
+    padding), then the 4 x 4 target's slots: the prefill attends per segment (text, image block, text)."""
+    g = torch.Generator().manual_seed(7)
+    x, text = inputs["hidden_states"], inputs["encoder_hidden_states"]
+    slots = torch.tensor([[False] * 3 + [True] + [False] * 2 + [True] * 4], device=DEVICE)
+    mask = torch.ones(1, 6, dtype=inputs["encoder_hidden_states_mask"].dtype, device=DEVICE)
+    mask[:, -1] = 0
+    return dict(inputs, hidden_states=torch.cat([torch.randn(1, 4, x.shape[2], generator=g).to(x), x], dim=1),
+                encoder_hidden_states=torch.randn(1, 6, text.shape[2], generator=g).to(text),
+                encoder_hidden_states_mask=mask, img_mask=slots, img_shapes=[[(1, 2, 2), (1, 4, 4)]])
+
+
+@pytest.mark.parametrize("tier", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["extract", None])
+def test_a_condition_image_and_a_padded_prompt(mode: Any, tier: str, calls: Dict[str, int]) -> None:
+    """The prefill's segments: a text segment (causal), the condition image's block (bidirectional), a text segment
+    with a padded key, then the target."""
+    if tier == "triton":
+        pytest.importorskip("triton")
+    model, inputs = _model(torch.float32), _with_condition_image(_inputs(torch.float32, mode))
+    ref = _both(model, inputs, None)
+    got = _both(model, inputs, tier)
+    assert dict(calls) == EXPECTED
     _check(got, ref, tier)

@@ -7,8 +7,9 @@ What goes wrong upstream
     same four in every block of the step), then runs ``img_norm1``, ``1 + scale``, the product, ``gate.tanh()``, the
     gated residual, ``img_norm2`` and its modulation, the SwiGLU's ``silu`` and product and the second gated residual
     as separate eager ops: about 20 passes over the activations per block where ``torch.compile`` makes a handful.
-    ``QwenImage21AttnProcessor`` normalizes q and k with diffusers' ``RMSNorm`` (eight eager ops each), casts them
-    and rotates them through ``apply_rotary_emb_qwen`` in complex form (fp32 cast, complex multiply, cast back).
+    ``QwenImage21AttnProcessor`` normalizes q and k with diffusers' ``RMSNorm`` (eight eager ops each), casts them,
+    rotates them through ``apply_rotary_emb_qwen`` in complex form (fp32 cast, complex multiply, cast back) and, in
+    the KV-cached steps, copies k once more behind the cached keys (``torch.cat``).
 
 What the patch changes
     The block's ``forward`` calls attention and the feed-forward's Linears as modules (LoRA layers and hooks on them
@@ -24,8 +25,8 @@ What the patch changes
     ``ops.qk_norm_rope(rounding="each")`` with the complex ``[S, D/2]`` table as fp32 ``cos``/``sin``
     (``_per_step.complex_tables``: once per step, per block under ``torch.inference_mode()``), writing k behind the
     cached keys (``k_prefix``: the keys' concat costs no pass over k); its PyTorch tier rotates with diffusers' own
-    complex multiply and concatenates as diffusers does. The prefill's per-segment attention (``segments``: the first
-    step of a KV-cached run, every step without the cache) runs diffusers' processor. Everything else runs
+    complex multiply and concatenates as diffusers does. The prefill (the first step of a KV-cached run, every step
+    without the cache) attends per segment with diffusers' own calls and masks. Everything else runs
     diffusers' own code: ``torch.compile``, gradients, autocast, tensor subclasses, CPU tensors, norms that are not
     stock (``nn.LayerNorm`` without affine parameters, diffusers ``RMSNorm`` with a weight of the activations'
     dtype), a modulation or mask of another shape or dtype, hooked or replaced submodules, a replaced global

@@ -51,8 +51,9 @@ def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     tables = (None, None)
     own_rotation = False
     if rotary_emb is not None:
-        found = _per_step().complex_tables(rotary_emb, query.shape[1], query.shape[-1], query.device)
-        if found is None or rotary_emb.dim() != 2:
+        found = None if getattr(rotary_emb, "ndim", None) != 2 else \
+            _per_step().complex_tables(rotary_emb, query.shape[1], query.shape[-1], query.device)
+        if found is None:
             declined("rotary_emb is not a complex64 [S, D/2] table of the queries' length")
             return None
         own_rotation = choose_tier(query.device.type, None) == "torch"  # never under autograd: fusable() said so
@@ -70,13 +71,11 @@ def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 def processor(self, attn, hidden_states, attention_mask=None, rotary_emb=None, layer_cache=None, kv_cache_mode=None,
               cache_write_slice=None, segments=None, key_valid=None):
-    if segments is not None:  # the prefill's per-segment attention (the first step): diffusers' processor
-        return declined("a prefill (per-segment attention): diffusers' processor")
     if not (fusable(hidden_states, (attn,)) and hidden_states.dim() == 3):
         return FALLBACK
     module = sys.modules[_Q21]
-    # diffusers 0.42.1 _qwenimage21_prepare_qkv (the decode path of QwenImage21AttnProcessor.__call__), with the
-    # q/k stretch (norms, the cast, RoPE) fused.
+    # diffusers 0.42.1 QwenImage21AttnProcessor.__call__ (its _qwenimage21_prepare_qkv inlined), with the q/k
+    # stretch (norms, the cast, RoPE, the cached keys' concat) fused.
     query = linear(attn.to_q, hidden_states)
     key = linear(attn.to_k, hidden_states)
     value = linear(attn.to_v, hidden_states)
@@ -104,14 +103,50 @@ def processor(self, attn, hidden_states, attention_mask=None, rotary_emb=None, l
                 key = torch.cat([cached_k, key], dim=1)
             value = torch.cat([cached_v, value], dim=1)
     seq_len_q = query.shape[1]
-    hidden_states = module.dispatch_attention_fn(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, backend=self._attention_backend,
-        parallel_config=self._parallel_config,
-    )
+    hidden_states = _attention(self, module, query, key, value, attention_mask, segments, key_valid)
     hidden_states = hidden_states[:, :seq_len_q]
     hidden_states = hidden_states.flatten(2, 3).type_as(query)
     hidden_states = linear(attn.to_out[0], hidden_states)
     return dropout(attn.to_out[1], hidden_states)
+
+
+def _attention(self: Any, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, segments: Any, key_valid: Any) -> torch.Tensor:
+    """diffusers 0.42.1 ``QwenImage21AttnProcessor.__call__``'s attention calls, verbatim: one over the cached prefix
+    and the target (decode), or the prefill's one per prefix segment and one for the target."""
+    if segments is None:
+        # decode: full attention over [cached prefix, target]
+        return module.dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+    # prefill: every segment attends to the keys `[0, end)`; text segments get a causal triangle over their own
+    # keys; padded text keys are dropped.
+    prefix_len = segments[-1][1] if segments else 0
+    outputs = []
+    for start, end, is_text in segments:
+        seg_mask = None
+        if is_text:
+            seg_len = end - start
+            seg_mask = torch.cat(
+                [
+                    torch.ones(seg_len, start, dtype=torch.bool, device=query.device),
+                    torch.tril(torch.ones(seg_len, seg_len, dtype=torch.bool, device=query.device)),
+                ],
+                dim=1,
+            )[None, None]
+        if key_valid is not None:
+            seg_key_valid = key_valid[:, None, None, :end]
+            seg_mask = seg_key_valid if seg_mask is None else (seg_mask & seg_key_valid)
+        outputs.append(module.dispatch_attention_fn(
+            query[:, start:end], key[:, :end], value[:, :end], attn_mask=seg_mask, dropout_p=0.0, backend=None,
+            parallel_config=self._parallel_config,
+        ))
+    outputs.append(module.dispatch_attention_fn(
+        query[:, prefix_len:], key, value, attn_mask=None if key_valid is None else key_valid[:, None, None, :],
+        dropout_p=0.0, backend=None, parallel_config=self._parallel_config,
+    ))
+    return torch.cat(outputs, dim=1)
 
 
 # ---- the block ----------------------------------------------------------------------------------------------
