@@ -112,15 +112,11 @@ def _check(got: Tuple[torch.Tensor, List[torch.Tensor]], ref: Tuple[torch.Tensor
             torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("tier", ["torch", "triton"])
-@pytest.mark.parametrize("mode", ["cached", "extract", None])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_step_kind_equals_diffusers(dtype: torch.dtype, mode: Any, tier: str, calls: Dict[str, int]) -> None:
-    """The cached step, the prefill that fills the cache (its stored keys and values too) and a run without the
-    cache, with random q/k norm weights."""
+def _against_diffusers(model: torch.nn.Module, inputs: Dict[str, Any], tier: str, calls: Dict[str, int]) -> None:
+    """The fused run (``tier`` forced) against diffusers': the output and the stored cache, the op calls of a
+    forward."""
     if tier == "triton":
         pytest.importorskip("triton")
-    model, inputs = _model(dtype), _inputs(dtype, mode)
     ref = _both(model, inputs, None)
     assert not calls
     got = _both(model, inputs, tier)
@@ -129,29 +125,29 @@ def test_every_step_kind_equals_diffusers(dtype: torch.dtype, mode: Any, tier: s
 
 
 @pytest.mark.parametrize("tier", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["cached", "extract", None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_step_kind_equals_diffusers(dtype: torch.dtype, mode: Any, tier: str, calls: Dict[str, int]) -> None:
+    """The cached step, the prefill that fills the cache (its stored keys and values too) and a run without the
+    cache, with random q/k norm weights."""
+    model, inputs = _model(dtype), _inputs(dtype, mode)
+    _against_diffusers(model, inputs, tier, calls)
+
+
+@pytest.mark.parametrize("tier", ["torch", "triton"])
 @pytest.mark.parametrize("mode", ["cached", "extract"])
 def test_a_batch_of_two_with_its_own_timesteps(mode: str, tier: str, calls: Dict[str, int]) -> None:
     """Two samples: each target token reads its own sample's modulation row, the text tokens the ``t = 0`` row (the
     third): a wrong row index moves the output by order 1e-1."""
-    if tier == "triton":
-        pytest.importorskip("triton")
     model, inputs = _model(torch.float32), _batch_of_two(_inputs(torch.float32, mode))
-    ref = _both(model, inputs, None)
-    got = _both(model, inputs, tier)
-    assert dict(calls) == EXPECTED
-    _check(got, ref, tier)
+    _against_diffusers(model, inputs, tier, calls)
 
 
 @pytest.mark.parametrize("tier", ["torch", "triton"])
 def test_without_causal_condition(tier: str, calls: Dict[str, int]) -> None:
     """``causal_condition=False`` (no KV cache): one modulation row per sample, ``[B, 1, D]`` vectors."""
-    if tier == "triton":
-        pytest.importorskip("triton")
     model, inputs = _model(torch.float32, causal_condition=False), _batch_of_two(_inputs(torch.float32, None))
-    ref = _both(model, inputs, None)
-    got = _both(model, inputs, tier)
-    assert dict(calls) == EXPECTED
-    _check(got, ref, tier)
+    _against_diffusers(model, inputs, tier, calls)
 
 
 def _with_condition_image(inputs: Dict[str, Any]) -> Dict[str, Any]:
@@ -172,10 +168,5 @@ def _with_condition_image(inputs: Dict[str, Any]) -> Dict[str, Any]:
 def test_a_condition_image_and_a_padded_prompt(mode: Any, tier: str, calls: Dict[str, int]) -> None:
     """The prefill's segments: a text segment (causal), the condition image's block (bidirectional), a text segment
     with a padded key, then the target."""
-    if tier == "triton":
-        pytest.importorskip("triton")
     model, inputs = _model(torch.float32), _with_condition_image(_inputs(torch.float32, mode))
-    ref = _both(model, inputs, None)
-    got = _both(model, inputs, tier)
-    assert dict(calls) == EXPECTED
-    _check(got, ref, tier)
+    _against_diffusers(model, inputs, tier, calls)
