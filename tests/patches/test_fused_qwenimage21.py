@@ -1,11 +1,12 @@
-"""QwenImage 2.1's eager fusion: the qwenimage21 pattern (block glue, SwiGLU product, q/k RMSNorm + complex RoPE).
+"""QwenImage 2.1's eager fusion: the qwenimage21 pattern (block glue, SwiGLU product, q/k RMSNorm + complex RoPE with
+k behind the cached keys, the final norm).
 
 The registry-wide tests (test_fused_families.py) run the KV-cached step (every step after the first) of the tiny
 ``qwenimage21-fused`` transformer. Here what only this family has (CPU, a forced tier standing in for the GPU): the
 prefill step that writes the KV cache (text tokens modulated from ``t = 0``: each token's modulation row chosen by the
-op's ``select`` form; the processor's per-segment attention), a run without the cache, a batch of two
-with its own timesteps, and no ``causal_condition`` (one modulation row per sample), all with random q/k norm
-weights.
+op's ``select`` form; the processor's per-segment attention, with a condition image and a padded prompt), a run
+without the cache, a batch of two with its own timesteps, no ``causal_condition`` (one modulation row per sample), all
+with random q/k norm weights; a hook on the final norm's Linear.
 """
 from __future__ import annotations
 
@@ -170,3 +171,21 @@ def test_a_condition_image_and_a_padded_prompt(mode: Any, tier: str, calls: Dict
     with a padded key, then the target."""
     model, inputs = _model(torch.float32), _with_condition_image(_inputs(torch.float32, mode))
     _against_diffusers(model, inputs, tier, calls)
+
+
+def test_the_final_norms_linear_is_a_module_call(calls: Dict[str, int]) -> None:
+    """A forward hook on the final norm's Linear (a LoRA layer's place) sees its one call and what it returns is
+    used; the norm and its modulation stay fused."""
+    model, inputs = _model(torch.float32), _inputs(torch.float32)
+    seen = []
+
+    def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        seen.append(1)
+        return out * 2
+
+    handle = model.norm_out.linear.register_forward_hook(hook)
+    try:
+        _against_diffusers(model, inputs, "torch", calls)
+    finally:
+        handle.remove()
+    assert seen == [1, 1]

@@ -211,12 +211,14 @@ FAMILIES: Dict[str, Family] = {
             dict(patch_size=1, in_channels=64, out_channels=64, num_layers=6, attention_head_dim=128,
                  num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56),
                  causal_condition=True), ("num_layers",), ("transformer_blocks",), (32,), prod.qwenimage21),
-        # the KV-cached step (the tiny inputs' default): per block 3 modulate, 1 swiglu, 1 qk_norm_rope
-        fused=_TWO, calls={"modulate": 6, "swiglu": 2, "qk_norm_rope": 2},
-        untargeted=("QwenImage21TextProjection", "QwenImage21AdaLayerNormContinuous"), targeted=frozenset({
-            ("qwenimage21", "QwenImage21TransformerBlock"), ("qwenimage21", "QwenImage21AttnProcessor")}),
+        # the KV-cached step (the tiny inputs' default): per block 3 modulate, 1 swiglu, 1 qk_norm_rope; the final
+        # norm 1 modulate
+        fused=_TWO, calls={"modulate": 7, "swiglu": 2, "qk_norm_rope": 2},
+        untargeted=("QwenImage21TextProjection", "QwenImage21TimestepProjEmbeddings"), targeted=frozenset({
+            ("qwenimage21", "QwenImage21TransformerBlock"), ("qwenimage21", "QwenImage21AttnProcessor"),
+            ("qwenimage21", "QwenImage21AdaLayerNormContinuous")}),
         lora=(("to_q", "to_k", "to_v", "to_out.0", "img_mlp.proj", "img_mlp.gate_layer", "img_mlp.out",
-               "modulation.1"), {"modulate": 6, "swiglu": 2, "qk_norm_rope": 2})),
+               "modulation.1", "norm_out.linear"), {"modulate": 7, "swiglu": 2, "qk_norm_rope": 2})),
     # head dim = sum(axes_dims) (Z-Image's RoPE covers the whole head). zimage-fused: two main blocks, one modulated
     # noise refiner and one unmodulated context refiner besides.
     "zimage": Family(

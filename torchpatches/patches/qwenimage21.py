@@ -1,5 +1,5 @@
-"""qwenimage21: QwenImage 2.1's blocks and attention processor: the block glue in three kernels, the SwiGLU product
-in one, q/k RMSNorm + complex RoPE in one (eager).
+"""qwenimage21: QwenImage 2.1's blocks, attention processor and final norm: the block glue in three kernels, the
+SwiGLU product in one, q/k RMSNorm + complex RoPE in one, k behind the cached keys, the final norm in one (eager).
 
 What goes wrong upstream
     ``QwenImage21TransformerBlock`` slices its scales and gates out of the model's shared modulation and selects each
@@ -7,6 +7,7 @@ What goes wrong upstream
     same four in every block of the step), then runs ``img_norm1``, ``1 + scale``, the product, ``gate.tanh()``, the
     gated residual, ``img_norm2`` and its modulation, the SwiGLU's ``silu`` and product and the second gated residual
     as separate eager ops: about 20 passes over the activations per block where ``torch.compile`` makes a handful.
+    The final ``QwenImage21AdaLayerNormContinuous`` selects its scale per token and modulates the same way.
     ``QwenImage21AttnProcessor`` normalizes q and k with diffusers' ``RMSNorm`` (eight eager ops each), casts them,
     rotates them through ``apply_rotary_emb_qwen`` in complex form (fp32 cast, complex multiply, cast back) and, in
     the KV-cached steps, copies k once more behind the cached keys (``torch.cat``).
@@ -19,7 +20,8 @@ What the patch changes
     ``silu(gate_layer(y)) * proj(y)`` through the two-input ``ops.swiglu``. Each token's modulation row (its
     sample's for the target image, the ``t = 0`` row for the prompt: ``_select_modulation_rows``) is chosen in the
     kernels (``select``) from the shared ``[B + 1, D]`` rows, ``tanh`` taken of the gate rows: no ``[B, S, D]``
-    vector tensors (diffusers writes four per block) and no ``tanh`` pass over them. The
+    vector tensors (diffusers writes four per block) and no ``tanh`` pass over them; the final norm's
+    ``norm(x) * (1 + scale)`` likewise in one kernel (its Linear and SiLU called as modules). The
     processor runs the projections, the values' KV-cache concat and the attention call as diffusers does
     (``dispatch_attention_fn`` with the processor's backend and mask) and replaces the q/k stretch by
     ``ops.qk_norm_rope(rounding="each")`` with the complex ``[S, D/2]`` table as fp32 ``cos``/``sin``
@@ -58,7 +60,7 @@ _RMS_NORM = "diffusers.models.normalization:RMSNorm.forward"
 
 PATCH = Patch(
     name="qwenimage21",
-    summary="QwenImage 2.1: block glue in three kernels, SwiGLU product in one, q/k RMSNorm + RoPE in one (eager)",
+    summary="QwenImage 2.1: block glue in three kernels, SwiGLU, q/k RMSNorm + RoPE, final norm (eager)",
     targets=(  # fingerprints: diffusers 0.42.1
         fused_target("qwenimage21", f"{_Q21}:QwenImage21TransformerBlock.forward", f"{_BODY}:block",
                      "ada3458fdbec5b1f", LAYER_NORM + LINEAR + SILU + (
@@ -68,6 +70,8 @@ PATCH = Patch(
         Target(f"{_Q21}:QwenImage21AttnProcessor.__call__", named_parameters(fused(
             "qwenimage21", f"{_BODY}:processor", LINEAR + DROPOUT + CAT + (
                 f"{_Q21}:apply_rotary_emb_qwen", _RMS_NORM))), frozenset({"caee7f5e6ef67597"})),
+        fused_target("qwenimage21", f"{_Q21}:QwenImage21AdaLayerNormContinuous.forward", f"{_BODY}:norm_out",
+                     "d15777704c87410a", LAYER_NORM + (f"{_Q21}:_select_modulation_rows",)),
     ),
     # What the bodies compute in place of diffusers' own (diffusers 0.42.1): another source skips the patch.
     verifies={f"{_Q21}:QwenImage21TransformerBlock._modulate": frozenset({"9d319704db4c5acd"}),

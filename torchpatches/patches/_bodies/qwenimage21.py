@@ -180,6 +180,15 @@ def _zero_shift(x: torch.Tensor, rows: int, select: Optional[torch.Tensor]) -> t
     return zero.expand(rows, x.shape[-1]) if select is not None else zero.expand(rows, 1, x.shape[-1])
 
 
+def _mask_fits(mask: Any, x: torch.Tensor) -> bool:
+    """No mask, or a bool ``[S]`` tensor on x's device (``target_token_mask``)."""
+    if mask is None or (type(mask) is torch.Tensor and mask.dtype == torch.bool and mask.device == x.device
+                        and tuple(mask.shape) == (x.shape[1],)):
+        return True
+    declined("target_token_mask is not a bool [S] tensor")
+    return False
+
+
 def _vectors(x: torch.Tensor, modulation: Any, mask: Any) -> Optional[tuple]:
     """``(scale1, tanh(gate1), scale2, tanh(gate2), select)`` for the modulate op: without a mask the ``[B, 1, D]``
     vectors diffusers' ``_select_modulation_rows`` makes (``select`` None); with one the ``[B + 1, D]`` rows and the
@@ -192,9 +201,7 @@ def _vectors(x: torch.Tensor, modulation: Any, mask: Any) -> Optional[tuple]:
             and tuple(modulation.shape) == (rows, 4 * D)):
         declined("modulation is not [B (+ 1), 4 * D] of the activations' dtype")
         return None
-    if mask is not None and not (type(mask) is torch.Tensor and mask.dtype == torch.bool and mask.device == x.device
-                                 and tuple(mask.shape) == (S,)):
-        declined("target_token_mask is not a bool [S] tensor")
+    if not _mask_fits(mask, x):
         return None
     scale1, gate1, scale2, gate2 = modulation.chunk(4, dim=-1)  # = chunk(2) of each chunk(2) half
     if mask is None:
@@ -253,3 +260,25 @@ def _per_token(v: torch.Tensor, select: Optional[torch.Tensor]) -> torch.Tensor:
     """A vector as diffusers' expressions take it: the ``[B + 1, D]`` rows selected per token (diffusers' own
     ``_select_modulation_rows``), or the ``[B, 1, D]`` vector itself."""
     return v if select is None else sys.modules[_Q21]._select_modulation_rows(v, select)
+
+
+# ---- the final norm ---------------------------------------------------------------------------------------------
+
+
+def norm_out(self, hidden_states, conditioning_embedding, target_token_mask=None):
+    x = hidden_states
+    modules = self._modules
+    if not (fusable(x, (self,), conditioning_embedding) and x.dim() == 3
+            and plain_layer_norm(modules["norm"], x.shape[-1])):
+        return FALLBACK
+    # diffusers 0.42.1 QwenImage21AdaLayerNormContinuous.forward (silu and linear as module calls), the row selection
+    # and norm(x) * (1 + scale) in one kernel.
+    scale = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+    rows = x.shape[0] if target_token_mask is None else x.shape[0] + 1
+    if not (type(scale) is torch.Tensor and scale.dtype == x.dtype and scale.device == x.device
+            and tuple(scale.shape) == (rows, x.shape[-1]) and _mask_fits(target_token_mask, x)):
+        scale = sys.modules[_Q21]._select_modulation_rows(scale, target_token_mask)  # diffusers' expressions
+        return modules["norm"](x) * (1 + scale)
+    vector = scale if target_token_mask is not None else scale.unsqueeze(1)
+    return _modulate().prechecked(x, None, None, vector, _zero_shift(x, rows, target_token_mask), modules["norm"].eps,
+                                  select=target_token_mask)[0]
