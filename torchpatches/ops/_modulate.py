@@ -22,7 +22,8 @@ LayerNorm kernel. All tensors share one device; outputs are new contiguous tenso
 
 ``rms_norm_modulate`` / ``gate_residual_rms_norm_modulate`` put Krea 2's zero-centered RMSNorm
 (``Krea2RMSNorm``: ``F.rms_norm(h.float(), weight=weight + 1.0).to(h.dtype)``, a ``[D]`` weight of any float
-dtype, ``1 + weight`` rounded to it) where the LayerNorm is, with the ``"each"`` rounding around it.
+dtype, ``1 + weight`` rounded to it) where the LayerNorm is, with the ``"each"`` rounding around it; ``weight=None``
+puts diffusers' weightless ``RMSNorm`` there (``elementwise_affine=False``, LTX-2's block norms: ``round(x * rstd)``).
 
 Two rounding modes (``rounding=``):
 
@@ -121,15 +122,16 @@ def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
           once: bool, tier: str, affine: bool = False, norm_weight: Optional[torch.Tensor] = None,
           y2: Optional[torch.Tensor] = None, addends: Optional[tuple] = None,
-          norm_out: Optional[torch.Tensor] = None, select: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+          norm_out: Optional[torch.Tensor] = None, select: Optional[torch.Tensor] = None,
+          rms: bool = False) -> list[torch.Tensor]:
     """The op body: [h] (residual only), [out] (norm only) or [h, out]. ``y`` without ``gate``: a plain
     residual add; ``affine``: ``scale``/``shift`` are a LayerNorm's [D] weight and bias; ``addends``
     (``prechecked`` only): the second terms ``(gate2, scale2, shift2)`` of two-term vectors (see there);
-    ``norm_weight``: a zero-centered RMSNorm's [D] weight (Krea 2's) in place of the LayerNorm; ``y2``: a second
-    branch output, ``y + y2`` rounded to the dtype before the gate (FLUX.3's ``attn_output + ff_output``);
-    ``norm_out`` (``prechecked`` only): where the norm's output goes (a ``[B, S, D]`` view, e.g. rows of a joint
-    buffer that ``torch.cat`` would fill); ``select`` (``prechecked`` only): a bool [S] token mask choosing each
-    token's vector row (see there)."""
+    ``norm_weight``: a zero-centered RMSNorm's [D] weight (Krea 2's) in place of the LayerNorm; ``rms`` without it:
+    diffusers' weightless RMSNorm there (LTX-2's); ``y2``: a second branch output, ``y + y2`` rounded to the dtype
+    before the gate (FLUX.3's ``attn_output + ff_output``); ``norm_out`` (``prechecked`` only): where the norm's
+    output goes (a ``[B, S, D]`` view, e.g. rows of a joint buffer that ``torch.cat`` would fill); ``select``
+    (``prechecked`` only): a bool [S] token mask choosing each token's vector row (see there)."""
     if tier == "torch":
         if select is not None:  # QwenImage 2.1's _select_modulation_rows, per vector
             gate, scale, shift = (None if v is None else _modulate_torch.select_rows(v, select)
@@ -139,7 +141,7 @@ def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
         if addends is not None:  # Wan: (scale_shift_table + temb.float()), the fp32 sum; Krea 2: temb + table
             gate, scale, shift = (None if v is None else _modulate_torch.tokens(v) + (w.float() if once else w)
                                   for v, w in zip((gate, scale, shift), addends))
-        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine, norm_weight)
+        h, out = _modulate_torch.apply(residual, gate, y, scale, shift, eps, clip, once, affine, norm_weight, rms)
         if norm_out is not None and out is not None:
             out = norm_out.copy_(out)
     else:
@@ -148,7 +150,7 @@ def _impl(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
         out = None if scale is None else norm_out if norm_out is not None else \
             torch.empty_like(residual, memory_format=torch.contiguous_format)
         _triton_tier().launch(residual, gate, y, scale, shift, h, out, eps=eps, clip=clip, once=once, affine=affine,
-                              addends=addends, norm_weight=norm_weight, y2=y2, select=select)
+                              addends=addends, norm_weight=norm_weight, y2=y2, select=select, rms=rms)
     return [t for t in (h, out) if t is not None]
 
 
@@ -160,19 +162,24 @@ _triton_tier = lazy_module(f"{__package__}._modulate_triton")
 def _modulate_op(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                  scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
                  once: bool, tier: str, affine: bool = False, norm_weight: Optional[torch.Tensor] = None,
-                 y2: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
-    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier, affine, norm_weight, y2)
+                 y2: Optional[torch.Tensor] = None, rms: bool = False) -> list[torch.Tensor]:
+    return _impl(residual, gate, y, scale, shift, eps, clip, once, tier, affine, norm_weight, y2, rms=rms)
 
 
 @_modulate_op.register_fake
-def _(residual, gate, y, scale, shift, eps, clip, once, tier, affine=False, norm_weight=None, y2=None):
+def _(residual, gate, y, scale, shift, eps, clip, once, tier, affine=False, norm_weight=None, y2=None, rms=False):
     n = int(y is not None) + int(scale is not None)
     return [torch.empty_like(residual, memory_format=torch.contiguous_format) for _ in range(n)]
 
 
+def _op_body(*args):
+    """:func:`_impl` with the custom op's arguments (``rms`` last, after ``y2``; no ``addends`` or ``norm_out``)."""
+    return _impl(*args[:12], rms=args[12])
+
+
 @_dispatch.public
 def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affine=False, norm_weight=None,
-         y2=None):
+         y2=None, rms=False):
     if gated and gate is None:
         raise ValueError("gate must be a torch.Tensor, got None")
     if y is None and gate is not None:
@@ -190,15 +197,15 @@ def _run(residual, gate, y, scale, shift, eps, clip, tier, gated, rounding, affi
         y2 = _like_residual(y2, "y2", residual)
     grad = needs_grad(residual, gate, y, scale, shift, norm_weight, y2)
     chosen = choose_tier(residual.device.type, tier, grad)
-    return _dispatch.run(residual, grad, _impl, _modulate_op, residual, gate, y, scale, shift,
-                         float(eps or 0.0), bool(clip), once, chosen, bool(affine), norm_weight, y2)
+    return _dispatch.run(residual, grad, _op_body, _modulate_op, residual, gate, y, scale, shift,
+                         float(eps or 0.0), bool(clip), once, chosen, bool(affine), norm_weight, y2, bool(rms))
 
 
 def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
                scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, *, clip: bool = False,
                once: bool = False, addends: Optional[tuple] = None, norm_weight: Optional[torch.Tensor] = None,
                y2: Optional[torch.Tensor] = None, norm_out: Optional[torch.Tensor] = None,
-               select: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
+               select: Optional[torch.Tensor] = None, rms: bool = False) -> list[torch.Tensor]:
     """The op (``[h]``, ``[out]`` or ``[h, out]``, as :func:`_impl`) for a caller that has already checked what the
     public entries check: the fusion patterns (``patches/_modulate_calls``), which test the same conditions before
     they choose the fused path. Skipped: the argument checks (plain ``torch.Tensor``s of a served dtype on one
@@ -212,7 +219,8 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
     the kernel as torch adds them: ``once``, Wan 2.2 TI2V's fp32 ``scale_shift_table + temb.float()`` without its
     ``[B, S, 6, D]`` fp32 tensor; else Krea 2's ``temb + scale_shift_table`` (one dtype, the sum rounded). Each term
     ``[B, D]`` (the table row, expanded: batch stride 0) or ``[B, S or 1, D]`` (a temb chunk, any row strides).
-    ``norm_weight``: Krea 2's zero-centered RMSNorm (``1 + weight``, any float dtype) in place of the LayerNorm.
+    ``norm_weight``: Krea 2's zero-centered RMSNorm (``1 + weight``, any float dtype) in place of the LayerNorm;
+    ``rms`` without it: diffusers' weightless RMSNorm there (LTX-2's).
 
     ``y2``: a second branch output of ``y``'s shape and dtype, ``h = residual + gate * (y + y2)`` (FLUX.3's
     ``attn_output + ff_output``, rounded as torch rounds it). ``norm_out``: a ``[B, S, D]`` view of x's dtype and
@@ -243,7 +251,7 @@ def prechecked(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional
         grad = grad or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in addends))
     tier = choose_tier(residual.device.type, None, grad)
     return _impl(residual, gate, y, scale, shift, float(eps or 0.0), clip, once, tier, False, norm_weight=norm_weight,
-                 y2=y2, addends=addends, norm_out=norm_out, select=select)
+                 y2=y2, addends=addends, norm_out=norm_out, select=select, rms=rms)
 
 
 def layer_norm_modulate(
@@ -336,22 +344,23 @@ def gate_residual_layer_norm(
     return h, out
 
 
-def rms_norm_modulate(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, *,
+def rms_norm_modulate(x: torch.Tensor, weight: Optional[torch.Tensor], scale: torch.Tensor, shift: torch.Tensor, *,
                       eps: float = 1e-5, tier: Optional[str] = None) -> torch.Tensor:
     """``(1 + scale) * RMSNorm0(x) + shift`` with Krea 2's zero-centered RMSNorm (``weight``: its ``[D]`` weight,
-    any float dtype), rounded as diffusers' ``Krea2TransformerBlock``."""
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    return _run(x, None, None, scale, shift, eps, False, tier, False, "each", norm_weight=weight)[0]
+    any float dtype), rounded as diffusers' ``Krea2TransformerBlock``; ``weight=None``: diffusers' weightless
+    ``RMSNorm`` (LTX-2's ``norm(x) * (1 + scale) + shift``)."""
+    if weight is not None and not isinstance(weight, torch.Tensor):
+        raise ValueError(f"weight must be a torch.Tensor or None, got {type(weight).__name__}")
+    return _run(x, None, None, scale, shift, eps, False, tier, False, "each", norm_weight=weight, rms=True)[0]
 
 
 def gate_residual_rms_norm_modulate(
-    residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor], scale: torch.Tensor,
     shift: torch.Tensor, *, eps: float = 1e-5, tier: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = residual + gate * y`` and ``(1 + scale) * RMSNorm0(h) + shift`` (Krea 2's zero-centered RMSNorm) in one
-    pass: ``(h, out)``."""
-    if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    h, out = _run(residual, gate, y, scale, shift, eps, False, tier, True, "each", norm_weight=weight)
+    """``h = residual + gate * y`` and ``(1 + scale) * RMSNorm0(h) + shift`` (Krea 2's zero-centered RMSNorm; ``weight``
+    None: diffusers' weightless RMSNorm) in one pass: ``(h, out)``."""
+    if weight is not None and not isinstance(weight, torch.Tensor):
+        raise ValueError(f"weight must be a torch.Tensor or None, got {type(weight).__name__}")
+    h, out = _run(residual, gate, y, scale, shift, eps, False, tier, True, "each", norm_weight=weight, rms=True)
     return h, out

@@ -61,14 +61,23 @@ def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return x.to(dtype)
 
 
+def rms_norm_weightless(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """diffusers 0.42.1 ``RMSNorm.forward`` without a weight (``elementwise_affine=False``), verbatim."""
+    input_dtype = x.dtype
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return x.to(input_dtype)
+
+
 def apply(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torch.Tensor],
           scale: Optional[torch.Tensor], shift: Optional[torch.Tensor], eps: float, clip: bool,
-          once: bool = False, affine: bool = False, norm_weight: Optional[torch.Tensor] = None
+          once: bool = False, affine: bool = False, norm_weight: Optional[torch.Tensor] = None, rms: bool = False
           ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(h, out) for the forms, as the Triton kernel computes them (the arguments of its ``launch``):
     ``y`` without ``gate`` is a plain residual add (Wan: ``hidden_states + attn_output``); ``affine``:
     ``scale``/``shift`` are a LayerNorm's weight and bias; ``norm_weight``: Krea 2's zero-centered RMSNorm in place
-    of the LayerNorm (``(1.0 + scale) * norm(h) + shift``, diffusers' ``Krea2TransformerBlock``)."""
+    of the LayerNorm (``(1.0 + scale) * norm(h) + shift``, diffusers' ``Krea2TransformerBlock``); ``rms`` without it:
+    diffusers' weightless RMSNorm (LTX-2's ``norm(h) * (1 + scale) + shift``)."""
     gate = _tokens(gate)
     if not affine:  # affine: scale and shift are the LayerNorm's [D] weight and bias
         scale, shift = _tokens(scale), _tokens(shift)
@@ -81,6 +90,8 @@ def apply(residual: torch.Tensor, gate: Optional[torch.Tensor], y: Optional[torc
     out = None
     if scale is not None and norm_weight is not None:
         out = (1.0 + scale) * zero_centered_rms_norm(h, norm_weight, eps) + shift
+    elif scale is not None and rms:
+        out = rms_norm_weightless(h, eps) * (1 + scale) + shift
     elif scale is not None and affine:
         out = layer_norm_affine(h, scale, shift, eps, once)
     elif scale is not None:

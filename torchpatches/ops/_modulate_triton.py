@@ -9,6 +9,8 @@ ROWS token rows per program (``[B, S, D]`` views, last dim unit-stride, any row 
     out = round(LN(h) * weight + bias)                 (HAS_NORM and AFFINE: an affine LayerNorm, one rounding)
     out = round(round(round(h * rstd * w1) * round(1 + scale)) + shift)   (HAS_NORM and RMS: Krea 2's zero-centered
           RMSNorm in place of LN, rstd = rsqrt(mean(h^2) + eps), w1 = 1 + weight rounded to the weight's dtype)
+    out = round(round(round(h * rstd) * round(1 + scale)) + shift)   (HAS_NORM, RMS, no NW: diffusers' weightless
+          RMSNorm, LTX-2's)
 
 ``round`` is a rounding to the tensors' dtype at exactly the points where diffusers' eager code
 rounds (each bf16/fp16 op rounds its fp32 result), so outputs match diffusers bit for bit except
@@ -46,7 +48,7 @@ def _modulate_kernel(
     MID: tl.constexpr, PLAIN: tl.constexpr = False, AFFINE: tl.constexpr = False, HAS_RES: tl.constexpr = False,
     TWO_TERM: tl.constexpr = False, RMS: tl.constexpr = False, W_KIND: tl.constexpr = 0,
     HAS_Y2: tl.constexpr = False,
-    SELECT: tl.constexpr = False,
+    SELECT: tl.constexpr = False, NW: tl.constexpr = True,
 ):
     # ROWS token rows per program, [ROWS, BLOCK_D] tiles. The activations' loads are issued together so
     # their latencies overlap; the modulation vectors (L2 hits shared by every row of a sample) are loaded
@@ -100,7 +102,7 @@ def _modulate_kernel(
         if AFFINE:  # torch's LayerNorm with weight and bias: fp32 throughout, one rounding
             o = _round_to(xc * rstd[:, None] * sc + sh, KIND)
         else:
-            if RMS:  # 1 + weight in the weight's dtype, the product in fp32 and rounded once (``.to(dtype)``)
+            if RMS and NW:  # 1 + weight in the weight's dtype, the product in fp32 and rounded once (``.to(dtype)``)
                 w1 = _round_to(tl.load(nw_ptr + d, mask=d < D, other=0.0).to(tl.float32) + 1.0, W_KIND)
                 n = _round_to((xc * rstd[:, None]) * w1[None, :], MID)
             else:
@@ -142,7 +144,7 @@ def _rows(t: Optional[torch.Tensor]) -> tuple[int, int]:
 def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bool, has_res: bool, has_norm: bool,
                       clip: bool, once: bool, affine: bool, two_term: bool = False,
                       w_kind: Optional[int] = None, has_y2: bool = False,
-                      select: bool = False) -> Mapping[str, Any]:
+                      select: bool = False, rms: bool = False) -> Mapping[str, Any]:
     """The kernel's constexprs and launch options (``ROWS``: rows per program) of one form: built once, not per
     call."""
     cfg = pick_config(block_d, not cuda)
@@ -150,7 +152,8 @@ def _launch_constants(block_d: int, dtype: torch.dtype, cuda: bool, has_gate: bo
         BLOCK_D=block_d, ROWS=int(cfg["ROWS"]), KIND=KINDS[dtype], HAS_GATE=has_gate, HAS_NORM=has_norm,
         CLIP=bool(clip and dtype == torch.float16), LIBDEVICE=cuda, MID=0 if once else KINDS[dtype],
         num_warps=int(cfg["num_warps"]), PLAIN=has_res and not has_gate, AFFINE=affine, HAS_RES=has_res,
-        TWO_TERM=two_term, RMS=w_kind is not None, W_KIND=w_kind or 0, HAS_Y2=has_y2, SELECT=select,
+        TWO_TERM=two_term, RMS=rms or w_kind is not None, W_KIND=w_kind or 0, HAS_Y2=has_y2, SELECT=select,
+        NW=w_kind is not None,
     ))
 
 
@@ -171,6 +174,7 @@ def launch(
     norm_weight: Optional[torch.Tensor] = None,
     y2: Optional[torch.Tensor] = None,
     select: Optional[torch.Tensor] = None,
+    rms: bool = False,
 ) -> None:
     """``residual``, ``y`` and the outputs ``[B, S, D]``, the vectors ``[B, D]`` or ``[B, S or 1, D]``, all
     with a unit-stride last dim (checked by ``ops/_modulate.py``); ``affine``: ``scale``/``shift`` are the
@@ -178,7 +182,7 @@ def launch(
     (every vector given as two terms: Wan 2.2 TI2V's ``scale_shift_table`` and per-token temb, Krea 2's temb and
     table); ``norm_weight``: the ``[D]`` weight of a zero-centered RMSNorm (Krea 2's) in place of the LayerNorm;
     ``y2``: added to ``y`` (rounded) before the gate; ``select``: a bool ``[S]`` token mask, the vectors ``[B + 1, D]``
-    rows (see the module docstring)."""
+    rows (see the module docstring); ``rms`` without ``norm_weight``: diffusers' weightless RMSNorm there (LTX-2's)."""
     B, S, D = residual.shape
     if B * S == 0:
         return
@@ -188,7 +192,8 @@ def launch(
     cuda = residual.device.type == "cuda"
     two_term = addends is not None
     key = (next_pow2(D), residual.dtype, cuda, has_gate, has_res, has_norm, bool(clip), bool(once), bool(affine),
-           two_term, None if norm_weight is None else KINDS[norm_weight.dtype], y2 is not None, select is not None)
+           two_term, None if norm_weight is None else KINDS[norm_weight.dtype], y2 is not None, select is not None,
+           bool(rms))
     constexprs = _launch_constants(*key)
     dummy = residual
     h = h_out if h_out is not None else n_out
