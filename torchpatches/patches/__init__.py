@@ -11,7 +11,7 @@ PATCH_MODULES = (
     "wan_block", "wan_qk_norm_rope",
     "qwenimage_block", "qwenimage_qk_norm_rope", "qwenimage_text_seq_len",
     "rms_sandwich_block", "rms_sandwich_qk_norm_rope", "hunyuanvideo15", "krea2", "kandinsky6", "flux3",
-    "qwenimage21",
+    "qwenimage21", "ltx2",
     "lora", "lora_scale",
     "cp_all_to_all", "cp_ring_attention", "cp_ulysses_anything",
 )
