@@ -308,8 +308,15 @@ FAMILIES: Dict[str, Family] = {
                  audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048,
                  num_layers=4, caption_channels=3840, rope_type="split"),
             ("num_layers",), ("transformer_blocks",), (48,), prod.ltx2),
-        untargeted=("LTX2VideoTransformerBlock", "LTX2AudioVideoAttnProcessor"),
-        targeted=frozenset({("gelu_gemm", "GELU")})),
+        # per block and stream (video, audio) 6 modulate (norm1; the self-attention residual + norm2; the text
+        # residual + the cross-modal norm with each of its 2 modulations; the cross-modal residual + norm3; the
+        # feed-forward residual); per attention (6 a block) one rms_norm_rope
+        fused=_TWO, calls={"modulate": 24, "rms_norm_rope": 12},
+        untargeted=("LTX2AdaLayerNormSingle", "LTX2AudioVideoRotaryPosEmbed"),
+        targeted=frozenset({("gelu_gemm", "GELU"), ("ltx2", "LTX2VideoTransformerBlock"),
+                            ("ltx2", "LTX2AudioVideoAttnProcessor")}),
+        lora=(("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+              {"modulate": 24, "rms_norm_rope": 12})),
     # sum(mrope_section) = head dim / 2
     "ideogram4": Family(
         "Ideogram4Transformer2DModel", dict(
