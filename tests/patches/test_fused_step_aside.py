@@ -26,7 +26,7 @@ import torchpatches  # noqa: E402
 from _fused_models import DEVICE, FUSED, MODELS, latents, output, reverted, run, tiny  # noqa: E402
 from diffusers.models import embeddings, normalization  # noqa: E402
 from diffusers.models.transformers import (  # noqa: E402
-    transformer_ideogram4, transformer_kandinsky6, transformer_krea2, transformer_qwenimage21,
+    transformer_ideogram4, transformer_kandinsky6, transformer_krea2, transformer_ltx2, transformer_qwenimage21,
 )
 from diffusers.models.transformers import transformer_flux, transformer_flux2, transformer_flux3  # noqa: E402
 from torchpatches.ops._modulate import force_tier  # noqa: E402
@@ -254,6 +254,9 @@ REBINDS = {
                                             lambda real: lambda params, mask: real(params, mask) * 0.5),
     "qwenimage21 F.silu": ("qwenimage21", torch.nn.functional, "silu",
                            lambda real: lambda x, inplace=False: real(x) * 0.5),
+    "ltx2 apply_split_rotary_emb": ("ltx2", transformer_ltx2, "apply_split_rotary_emb", lambda real: lambda x, f: x),
+    "ltx2 RMSNorm.forward": ("ltx2", normalization.RMSNorm, "forward", _half_layer_norm),
+    "ltx2 F.rms_norm": ("ltx2", torch.nn.functional, "rms_norm", _half_layer_norm),
 }
 
 
