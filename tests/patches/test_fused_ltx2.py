@@ -67,8 +67,8 @@ def _close(out: List[torch.Tensor], ref: List[torch.Tensor], tier: str) -> None:
             torch.testing.assert_close(o, r, rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("tier", ["torch", "triton"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tier, dtype", [("torch", torch.float32), ("torch", torch.bfloat16),
+                                         ("triton", torch.bfloat16)])
 def test_ltx20_options_equal_diffusers(tier: str, dtype: torch.dtype, calls: Dict[str, int]) -> None:
     """LTX-2.0: norm2 unmodulated (the modulate kernel with a zero scale and a negative-zero shift), the text
     residual ungated; the same op calls as LTX-2.3."""
