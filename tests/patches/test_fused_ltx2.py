@@ -157,3 +157,30 @@ def test_plain_norm_keeps_signed_zeros(tier: str) -> None:
         out = _modulate.prechecked(x, None, None, zero, negative, 1e-6, addends=(None, zero, negative), rms=True)[0]
     ref = RMSNorm(16, eps=1e-6, elementwise_affine=False)(x)
     assert torch.equal(out, ref) and torch.equal(out.signbit(), ref.signbit())
+
+
+def test_text_mask_prepared_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The text cross-attentions' ``prepare_attention_mask`` runs once per mask tensor (video, audio) and step, not
+    per block; a new step's mask is prepared again; under ``torch.inference_mode()`` (no version counters) per call."""
+    from diffusers.models.transformers import transformer_ltx2
+
+    model, inputs = _model(torch.bfloat16)
+    real = transformer_ltx2.LTX2Attention.prepare_attention_mask
+    seen: List[int] = []
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformer_ltx2.LTX2Attention, "prepare_attention_mask", counting)
+    ref = _reverted(model, inputs)
+    assert len(seen) == 4  # 2 blocks x (video, audio)
+    seen.clear()
+    with force_tier("torch"):
+        _close(_both(model, inputs), ref, "torch")
+        assert len(seen) == 2
+        _both(model, inputs)
+        assert len(seen) == 4
+        with torch.inference_mode():
+            _close(list(model(**inputs, return_dict=False)), ref, "torch")
+    assert len(seen) == 8

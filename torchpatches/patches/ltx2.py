@@ -24,7 +24,9 @@ What the patch changes
     inspection (no extra keyword arguments: nothing to filter). The processor runs the projections, the mask, the
     attention call, LTX-2.3's per-head gate and the output as diffusers does; between them ``ops.rms_norm_rope``
     (``rope="split"``) normalizes q and k and rotates them, with k's own tables in the cross-modal attentions, in one
-    launch. Everything else runs diffusers' own code: ``torch.compile``, gradients, autocast, tensor subclasses, CPU
+    launch; the text cross-attentions' mask is prepared (``prepare_attention_mask``: repeated per head) once per
+    step and head count instead of per call (cached per mask tensor, as ``_per_step``'s). Everything else runs
+    diffusers' own code: ``torch.compile``, gradients, autocast, tensor subclasses, CPU
     tensors, the perturbed-attention (STG) blocks, norms that are not stock (weightless diffusers ``RMSNorm`` in the
     block, ``torch.nn.RMSNorm`` with a weight of the input's dtype in the attention), tables or ``temb`` of another
     dtype or shape, the interleaved RoPE, a replaced global (``apply_split_rotary_emb``, ``dispatch_attention_fn``,
@@ -61,7 +63,8 @@ PATCH = Patch(
                      (_RMS, f"{_LTX2}:LTX2Attention.forward", f"{_LTX2}:LTX2VideoTransformerBlock.get_mod_params")),
         # named_parameters: diffusers' attention passes a processor only the keyword arguments its signature names.
         Target(f"{_LTX2}:LTX2AudioVideoAttnProcessor.__call__",
-               named_parameters(fused("ltx2", f"{_BODY}:processor", LINEAR + RMS_NORM + DROPOUT)),
+               named_parameters(fused("ltx2", f"{_BODY}:processor", LINEAR + RMS_NORM + DROPOUT + (
+                   "diffusers.models.attention:AttentionModuleMixin.prepare_attention_mask",))),
                frozenset({"c9aac3cbef11d6dc"})),
     ),
     # What the fused stretches compute in diffusers' place (diffusers 0.42.1): another source skips the patch.

@@ -12,6 +12,7 @@ from ..._core.lazy import lazy_module
 from .._fused_common import (_CALL_IMPL, _MODULE_CALL, FALLBACK, declined, dropout, fusable, linear, plain_rms_norm,
                              remembered, stock)
 from .._modulate_calls import _rows_fit, modulate_ops
+from .._per_step import _PerSource, _versions, _with
 
 _LTX2 = "diffusers.models.transformers.transformer_ltx2"
 _rope_ops = lazy_module("torchpatches.ops._rms_norm_rope")
@@ -24,6 +25,7 @@ _AUDIO = ("audio_norm1", "audio_attn1", "audio_norm2", "audio_attn2", "video_to_
           "audio_ff", "audio_scale_shift_table", "audio_a2v_cross_attn_scale_shift_table",
           "audio_prompt_scale_shift_table", "audio_cross_attn_adaln")
 _NORMS = (0, 2, 4, 5)  # the positions of the norms in _VIDEO / _AUDIO
+_MASKS = _PerSource()
 
 
 def _ltx2() -> Any:
@@ -269,6 +271,21 @@ def _normed(attn: Any, query: Any, key: Any, q_rope: Any, k_rope: Any) -> Option
                                         q_tables, k_tables)
 
 
+def _mask(attn: Any, mask: torch.Tensor, length: int, batch: int) -> torch.Tensor:
+    """diffusers' ``attn.prepare_attention_mask(mask, length, batch)`` viewed as ``[B, H, -1, L]``, made once per
+    mask tensor (the forward's per-step text bias) and head count instead of in every text cross-attention call, for
+    a stock ``LTX2Attention`` (whose ``prepare_attention_mask`` reads nothing else of it)."""
+    key = None
+    if type(attn) is _ltx2().LTX2Attention and type(mask) is torch.Tensor:
+        key = _with(_versions(mask), length, batch, attn.heads)
+        cached = _MASKS.get(mask, key)
+        if cached is not None:
+            return cached
+    prepared = attn.prepare_attention_mask(mask, length, batch)
+    prepared = prepared.view(batch, attn.heads, -1, prepared.shape[-1])
+    return prepared if key is None else _MASKS.put(mask, key, prepared)
+
+
 def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, query_rotary_emb=None,
               key_rotary_emb=None):
     source = hidden_states if encoder_hidden_states is None else encoder_hidden_states
@@ -277,11 +294,10 @@ def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_m
         return FALLBACK
     module = _ltx2()
     # diffusers 0.42.1 LTX2AudioVideoAttnProcessor.__call__; the q/k norms and the split RoPE through
-    # ops.rms_norm_rope.
+    # ops.rms_norm_rope, the mask prepared once per step.
     batch_size, sequence_length, _ = source.shape
     if attention_mask is not None:
-        attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-        attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        attention_mask = _mask(attn, attention_mask, sequence_length, batch_size)
     if attn.to_gate_logits is not None:
         gate_logits = linear(attn.to_gate_logits, hidden_states)
     query = linear(attn.to_q, hidden_states)
