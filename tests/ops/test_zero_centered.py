@@ -115,7 +115,7 @@ def test_public_entries_check_and_compute() -> None:
     with pytest.raises(ValueError, match="weight"):
         modulate.rms_norm_modulate(x, torch.zeros(7), scale, shift)
     with pytest.raises(ValueError, match="weight"):
-        modulate.rms_norm_modulate(x, None, scale, shift)
+        modulate.rms_norm_modulate(x, "w", scale, shift)  # None: the weightless form (test_ltx2_ops)
 
 
 @st.composite
