@@ -115,15 +115,17 @@ def test_one_cross_modal_direction(off: str, calls: Dict[str, int]) -> None:
     _close(out, ref, "torch")
 
 
-def test_perturbed_attention_blocks_get_diffusers_code(calls: Dict[str, int]) -> None:
-    """Spatio-temporal guidance (``perturbed_attn=True``): ``LTX2PerturbedAttnProcessor`` is not targeted and the
-    blocks hand the call back."""
+def test_perturbed_attention_blocks_fuse_their_glue(calls: Dict[str, int]) -> None:
+    """Spatio-temporal guidance (``perturbed_attn=True``): the blocks' glue fuses, the self-attentions get the
+    perturbation arguments as diffusers passes them, and ``LTX2PerturbedAttnProcessor`` (not targeted) runs diffusers'
+    code; a perturbed block (0) and one that is not (1)."""
     model, inputs = _model(torch.bfloat16, perturbed_attn=True)
     inputs["spatio_temporal_guidance_blocks"] = [0]
+    inputs["perturbation_mask"] = torch.tensor([0.0], device=DEVICE)
     ref = _reverted(model, inputs)
     with force_tier("torch"):
         out = _both(model, inputs)
-    assert not calls, dict(calls)
+    assert dict(calls) == {"modulate": 24}
     _close(out, ref, "torch")
 
 

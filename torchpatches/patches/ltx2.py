@@ -26,12 +26,13 @@ What the patch changes
     (``rope="split"``) normalizes q and k and rotates them, with k's own tables in the cross-modal attentions, in one
     launch; the text cross-attentions' mask is prepared (``prepare_attention_mask``: repeated per head) once per
     step and head count instead of per call (cached per mask tensor, as ``_per_step``'s). Everything else runs
-    diffusers' own code: ``torch.compile``, gradients, autocast, tensor subclasses, CPU
-    tensors, the perturbed-attention (STG) blocks, norms that are not stock (weightless diffusers ``RMSNorm`` in the
-    block, ``torch.nn.RMSNorm`` with a weight of the input's dtype in the attention), tables or ``temb`` of another
-    dtype or shape, the interleaved RoPE, a replaced global (``apply_split_rotary_emb``, ``dispatch_attention_fn``,
-    ``RMSNorm.forward``, ``LTX2Attention.forward``, ``F.rms_norm``, ``F.linear``). A step whose tensors do not fit (an
-    attention output of another dtype) computes diffusers' expression for it.
+    diffusers' own code: ``torch.compile``, gradients, autocast, tensor subclasses, CPU tensors,
+    ``LTX2PerturbedAttnProcessor`` (spatio-temporal guidance; its blocks' glue still fuses), norms that are not stock
+    (weightless diffusers ``RMSNorm`` in the block, ``torch.nn.RMSNorm`` with a weight of the input's dtype in the
+    attention), tables or ``temb`` of another dtype or shape, the interleaved RoPE, a replaced global
+    (``apply_split_rotary_emb``, ``dispatch_attention_fn``, ``RMSNorm.forward``, ``LTX2Attention.forward``,
+    ``F.rms_norm``, ``F.linear``). A step whose tensors do not fit (an attention output of another dtype) computes
+    diffusers' expression for it.
 
 Tolerance
     PyTorch tier: diffusers' values bit for bit (its own expressions; ``table + temb`` and ``temb + table``, ``gate *

@@ -154,6 +154,16 @@ def _attend(attn: Any, y: torch.Tensor, context: Any, mask: Any, q_rope: Any, k_
                 key_rotary_emb=k_rope)
 
 
+def _self_attend(block: Any, attn: Any, y: torch.Tensor, mask: Any, rope: Any, perturbation_mask: Any,
+                 all_perturbed: Any) -> Any:
+    """A self-attention call as diffusers makes it: with the perturbation arguments in a perturbed-attention (STG)
+    block (a module call: its processor is diffusers' ``LTX2PerturbedAttnProcessor``), else :func:`_attend`."""
+    if not block.perturbed_attn:
+        return _attend(attn, y, None, mask, rope, None)
+    return attn(hidden_states=y, encoder_hidden_states=None, query_rotary_emb=rope, attention_mask=mask,
+                perturbation_mask=perturbation_mask, all_perturbed=all_perturbed)
+
+
 def _prompt(block: Any, table_name: str, temb_prompt: Any, context: Any, like: torch.Tensor) -> Any:
     """LTX-2.3's text modulation (``encoder_hidden_states * (1 + scale_text_kv) + shift_text_kv``), diffusers'
     code."""
@@ -173,7 +183,7 @@ def block(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio
           a2v_cross_attention_mask=None, v2a_cross_attention_mask=None, use_a2v_cross_attention=True,
           use_v2a_cross_attention=True, perturbation_mask=None, all_perturbed=None):
     x, xa = hidden_states, audio_hidden_states
-    if not (type(xa) is torch.Tensor and x.dim() == 3 and xa.dim() == 3 and not self.perturbed_attn
+    if not (type(xa) is torch.Tensor and x.dim() == 3 and xa.dim() == 3
             and fusable(x, (self,), xa, encoder_hidden_states, audio_encoder_hidden_states)
             and xa.dtype == x.dtype and xa.device == x.device and xa.shape[0] == x.shape[0]
             and _norms_fit(self, x, _VIDEO) and _norms_fit(self, xa, _AUDIO)):
@@ -190,9 +200,10 @@ def block(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio
     v, a = _Stream(self, _VIDEO, x, *video), _Stream(self, _AUDIO, xa, *audio)
     # 1. self-attention
     y = v.step(None, None, v.mod[1], v.mod[0], 0)
-    v_out = _attend(self.attn1, y, None, self_attention_mask, video_rotary_emb, None)
+    v_out = _self_attend(self, self.attn1, y, self_attention_mask, video_rotary_emb, perturbation_mask, all_perturbed)
     y = a.step(None, None, a.mod[1], a.mod[0], 0)
-    a_out = _attend(self.audio_attn1, y, None, audio_self_attention_mask, audio_rotary_emb, None)
+    a_out = _self_attend(self, self.audio_attn1, y, audio_self_attention_mask, audio_rotary_emb, perturbation_mask,
+                         all_perturbed)
     # 2. text cross-attention (LTX-2.3: the query modulated, the text too)
     context, audio_context = encoder_hidden_states, audio_encoder_hidden_states
     if self.cross_attn_adaln:
