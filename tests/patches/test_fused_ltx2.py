@@ -88,7 +88,7 @@ def test_isolated_modalities(calls: Dict[str, int]) -> None:
     model, inputs = _model(torch.bfloat16, **LTX20)
     inputs["isolate_modalities"] = True
     ref = _reverted(model, inputs)
-    with force_tier("torch"):
+    with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
         out = _both(model, inputs)
     assert dict(calls) == {"modulate": 20, "rms_norm_rope": 8}
     _close(out, ref, "torch")
@@ -106,7 +106,7 @@ def test_one_cross_modal_direction(off: str, calls: Dict[str, int]) -> None:
     handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in model.transformer_blocks]
     try:
         ref = _reverted(model, inputs)
-        with force_tier("torch"):
+        with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
             out = _both(model, inputs)
     finally:
         for handle in handles:
@@ -123,7 +123,7 @@ def test_perturbed_attention_blocks_fuse_their_glue(calls: Dict[str, int]) -> No
     inputs["spatio_temporal_guidance_blocks"] = [0]
     inputs["perturbation_mask"] = torch.tensor([0.0], device=DEVICE)
     ref = _reverted(model, inputs)
-    with force_tier("torch"):
+    with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
         out = _both(model, inputs)
     assert dict(calls) == {"modulate": 24}
     _close(out, ref, "torch")
@@ -134,7 +134,7 @@ def test_interleaved_rope_keeps_diffusers_rotation(calls: Dict[str, int]) -> Non
     cross-attentions (no RoPE) normalize through the op; the block glue still fuses."""
     model, inputs = _model(torch.bfloat16, rope_type="interleaved")
     ref = _reverted(model, inputs)
-    with force_tier("torch"):
+    with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
         out = _both(model, inputs)
     assert dict(calls) == {"modulate": 24, "rms_norm_rope": 4}
     _close(out, ref, "torch")
@@ -155,7 +155,7 @@ def test_plain_norm_keeps_signed_zeros(tier: str) -> None:
     x[0, 1] = -0.0
     x[1, 2, :5] = -0.0
     zero, negative = ltx2._identity(x)
-    with force_tier(tier):
+    with force_tier(tier), torchpatches.disabled("gelu_gemm"):
         out = _modulate.prechecked(x, None, None, zero, negative, 1e-6, addends=(None, zero, negative), rms=True)[0]
     ref = RMSNorm(16, eps=1e-6, elementwise_affine=False)(x)
     assert torch.equal(out, ref) and torch.equal(out.signbit(), ref.signbit())
@@ -178,7 +178,7 @@ def test_text_mask_prepared_once_per_step(monkeypatch: pytest.MonkeyPatch) -> No
     ref = _reverted(model, inputs)
     assert len(seen) == 4  # 2 blocks x (video, audio)
     seen.clear()
-    with force_tier("torch"):
+    with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
         _close(_both(model, inputs), ref, "torch")
         assert len(seen) == 2
         _both(model, inputs)
