@@ -34,6 +34,20 @@ def run(model: torch.nn.Module, inputs: Dict[str, Any]) -> torch.Tensor:
         return output(model(**inputs, return_dict=False))
 
 
+def outputs(model: torch.nn.Module, inputs: Dict[str, Any]) -> List[torch.Tensor]:
+    """Every output of a ``return_dict=False`` forward (LTX-2's and Kandinsky 6's video and audio), no grad."""
+    with torch.no_grad():
+        return list(model(**inputs, return_dict=False))
+
+
+def reverted_outputs(model: torch.nn.Module, inputs: Dict[str, Any]) -> List[torch.Tensor]:
+    """:func:`outputs` with every fused pattern (and the rope patch) reverted for the call."""
+    import torchpatches
+
+    with torchpatches.disabled(*FUSED, "rope"):
+        return outputs(model, inputs)
+
+
 def latents(inputs: Dict[str, Any]) -> Tuple[torch.Tensor, Callable[[torch.Tensor], Dict[str, Any]]]:
     """The latents a forward takes (``hidden_states``; Z-Image's one-sample list ``x``) and how to pass others."""
     if "hidden_states" in inputs:

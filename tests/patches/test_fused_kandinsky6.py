@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("diffusers")
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED, tiny  # noqa: E402
+from _fused_models import DEVICE, outputs, reverted_outputs, tiny  # noqa: E402
 from torchpatches._harness import registry  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
 
@@ -29,17 +29,6 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 #: last gated residual. qk_norm_rope: one launch per self-attention (q and k share length and table), one per tensor
 #: in each cross-attention (text, video <- audio, audio <- video).
 EXPECTED = registry.FAMILIES["kandinsky6"].calls
-
-
-def _both(model: torch.nn.Module, inputs: Dict[str, Any]) -> List[torch.Tensor]:
-    """The video and the audio output."""
-    with torch.no_grad():
-        return list(model(**inputs, return_dict=False))
-
-
-def _reverted(model: torch.nn.Module, inputs: Dict[str, Any]) -> List[torch.Tensor]:
-    with torchpatches.disabled(*FUSED, "rope"):
-        return _both(model, inputs)
 
 
 def _close(out: List[torch.Tensor], ref: List[torch.Tensor], tier: str, dtype: torch.dtype) -> None:
@@ -59,10 +48,10 @@ def test_video_and_audio_equal_diffusers(tier: str, dtype: torch.dtype, calls: D
     if tier == "triton":
         pytest.importorskip("triton")
     model, inputs = tiny("kandinsky6", dtype)
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     assert not calls
     with force_tier(tier), torchpatches.disabled("gelu_gemm"):
-        out = _both(model, inputs)
+        out = outputs(model, inputs)
     assert dict(calls) == EXPECTED
     _close(out, ref, tier, dtype)
 
@@ -74,9 +63,9 @@ def test_fp32_modulation_as_from_pretrained_keeps_it(calls: Dict[str, int]) -> N
     for name, module in model.named_modules():
         if name.endswith("modulation") or "time_embeddings" in name:
             module.float()
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     with force_tier("torch"):
-        out = _both(model, inputs)
+        out = outputs(model, inputs)
     assert dict(calls) == EXPECTED
     _close(out, ref, "torch", torch.bfloat16)
 
@@ -85,9 +74,9 @@ def test_video_alone(calls: Dict[str, int]) -> None:
     """Without audio latents the blocks run their video path alone (diffusers' ``elif vis is not None``)."""
     model, inputs = tiny("kandinsky6", torch.float32)
     inputs.pop("audio_hidden_states")
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     with force_tier("torch"):
-        out = _both(model, inputs)
+        out = outputs(model, inputs)
     assert torch.equal(out[0], ref[0]) and len(out) == len(ref) == 1
     # text blocks 3 each; per video block: LN + modulate, two gated residuals with the next one, the last one
     assert dict(calls) == {"modulate": 2 * 3 + 2 * 4, "qk_norm_rope": 2 * 1 + 2 * 3}
@@ -109,7 +98,7 @@ def test_rope_tables_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(body, "_TABLES", Counting())
     model, inputs = tiny("kandinsky6", torch.float32)
     with force_tier("torch"):
-        _both(model, inputs)
+        outputs(model, inputs)
     assert len(built) == len(set(built)) == 4
 
 
@@ -148,9 +137,9 @@ def test_hooked_norm_and_other_eps_run_diffusers_code(calls: Dict[str, int]) -> 
     hooks = [block.video_dec_block.self_attention.query_norm.register_forward_hook(lambda *a: None),
              block.va_normalization.register_forward_hook(lambda *a: None)]
     try:
-        ref = _reverted(model, inputs)
+        ref = reverted_outputs(model, inputs)
         with force_tier("torch"):
-            out = _both(model, inputs)
+            out = outputs(model, inputs)
     finally:
         for hook in hooks:
             hook.remove()
@@ -198,9 +187,9 @@ def test_other_options(changes: Dict[str, Any], tier: str, calls: Dict[str, int]
     normalized alone), an audio width of its own."""
     _, inputs = tiny("kandinsky6", torch.float32)
     model = _variant(torch.float32, **changes)
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     with force_tier(tier):
-        out = _both(model, inputs)
+        out = outputs(model, inputs)
     _close(out, ref, tier, torch.float32)
     assert dict(calls) == EXPECTED
 
@@ -216,8 +205,8 @@ def test_batch_of_two(tier: str, calls: Dict[str, int]) -> None:
            if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
     two["timestep"] = torch.tensor([500.0, 120.0], device=DEVICE)
     two["encoder_attention_mask"][1, 1:] = False
-    ref = _reverted(model, two)
+    ref = reverted_outputs(model, two)
     with force_tier(tier):
-        out = _both(model, two)
+        out = outputs(model, two)
     _close(out, ref, tier, torch.bfloat16)
     assert dict(calls) == EXPECTED

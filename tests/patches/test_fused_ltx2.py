@@ -17,7 +17,7 @@ pytest.importorskip("diffusers")
 import diffusers  # noqa: E402
 
 import torchpatches  # noqa: E402
-from _fused_models import DEVICE, FUSED  # noqa: E402
+from _fused_models import DEVICE, outputs, reverted_outputs  # noqa: E402
 from torchpatches._harness import registry  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
 
@@ -49,16 +49,6 @@ def _model(dtype: torch.dtype = torch.float32, **overrides: Any):
     return model, inputs
 
 
-def _both(model: torch.nn.Module, inputs: Dict[str, Any]) -> List[torch.Tensor]:
-    with torch.no_grad():
-        return list(model(**inputs, return_dict=False))
-
-
-def _reverted(model: torch.nn.Module, inputs: Dict[str, Any]) -> List[torch.Tensor]:
-    with torchpatches.disabled(*FUSED, "rope"):
-        return _both(model, inputs)
-
-
 def _close(out: List[torch.Tensor], ref: List[torch.Tensor], tier: str) -> None:
     for o, r in zip(out, ref):
         if tier == "torch":
@@ -75,9 +65,9 @@ def test_ltx20_options_equal_diffusers(tier: str, dtype: torch.dtype, calls: Dic
     if tier == "triton":
         pytest.importorskip("triton")
     model, inputs = _model(dtype, **LTX20)
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     with force_tier(tier), torchpatches.disabled("gelu_gemm"):
-        out = _both(model, inputs)
+        out = outputs(model, inputs)
     assert dict(calls) == FAMILY.calls
     _close(out, ref, tier)
 
@@ -87,9 +77,9 @@ def test_isolated_modalities(calls: Dict[str, int]) -> None:
     and norm3 without a residual before it (5 modulate), 4 attentions."""
     model, inputs = _model(torch.bfloat16, **LTX20)
     inputs["isolate_modalities"] = True
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
-        out = _both(model, inputs)
+        out = outputs(model, inputs)
     assert dict(calls) == {"modulate": 20, "rms_norm_rope": 8}
     _close(out, ref, "torch")
 
@@ -105,9 +95,9 @@ def test_one_cross_modal_direction(off: str, calls: Dict[str, int]) -> None:
 
     handles = [block.register_forward_pre_hook(hook, with_kwargs=True) for block in model.transformer_blocks]
     try:
-        ref = _reverted(model, inputs)
+        ref = reverted_outputs(model, inputs)
         with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
-            out = _both(model, inputs)
+            out = outputs(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -122,9 +112,9 @@ def test_perturbed_attention_blocks_fuse_their_glue(calls: Dict[str, int]) -> No
     model, inputs = _model(torch.bfloat16, perturbed_attn=True)
     inputs["spatio_temporal_guidance_blocks"] = [0]
     inputs["perturbation_mask"] = torch.tensor([0.0], device=DEVICE)
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
-        out = _both(model, inputs)
+        out = outputs(model, inputs)
     assert dict(calls) == {"modulate": 24}
     _close(out, ref, "torch")
 
@@ -133,9 +123,9 @@ def test_interleaved_rope_keeps_diffusers_rotation(calls: Dict[str, int]) -> Non
     """``rope_type="interleaved"`` (``[B, S, W]`` tables): the processor rotates with diffusers' code; only the text
     cross-attentions (no RoPE) normalize through the op; the block glue still fuses."""
     model, inputs = _model(torch.bfloat16, rope_type="interleaved")
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
-        out = _both(model, inputs)
+        out = outputs(model, inputs)
     assert dict(calls) == {"modulate": 24, "rms_norm_rope": 4}
     _close(out, ref, "torch")
 
@@ -175,13 +165,13 @@ def test_text_mask_prepared_once_per_step(monkeypatch: pytest.MonkeyPatch) -> No
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(transformer_ltx2.LTX2Attention, "prepare_attention_mask", counting)
-    ref = _reverted(model, inputs)
+    ref = reverted_outputs(model, inputs)
     assert len(seen) == 4  # 2 blocks x (video, audio)
     seen.clear()
     with force_tier("torch"), torchpatches.disabled("gelu_gemm"):
-        _close(_both(model, inputs), ref, "torch")
+        _close(outputs(model, inputs), ref, "torch")
         assert len(seen) == 2
-        _both(model, inputs)
+        outputs(model, inputs)
         assert len(seen) == 4
         with torch.inference_mode():
             _close(list(model(**inputs, return_dict=False)), ref, "torch")
