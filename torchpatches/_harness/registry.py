@@ -207,8 +207,8 @@ FAMILIES: Dict[str, Family] = {
             context_in_dim=16, mlp_ratio=2, axes_dims_rope=(4, 6, 6)), tiny.qwenimage21_inputs, Production(
             "QwenImage 2.1: 32 x 128, FF 12288, context 4096; 1024x1024 = 64 x 64 = 4,096 tokens (unpatched); the "
             "KV-cached step (every step after the first): 160 text tokens' keys/values from the cache, img_mask 160 "
-            "+ 1,024 target slots; 6 of 32 layers",
-            dict(patch_size=1, in_channels=64, out_channels=64, num_layers=6, attention_head_dim=128,
+            "+ 1,024 target slots; all 32 layers",
+            dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
                  num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56),
                  causal_condition=True), ("num_layers",), ("transformer_blocks",), (32,), prod.qwenimage21),
         # the KV-cached step (the tiny inputs' default): per block 3 modulate, 1 swiglu, 1 qk_norm_rope; the final
