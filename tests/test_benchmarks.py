@@ -128,6 +128,26 @@ PUBLIC = {"torchpatches", "torchpatches.ops", "torchpatches.testing", "torchpatc
           "torchpatches.compile"}
 
 
+def test_code_ab_compares_each_tree_against_its_own_eager_and_refuses_a_bad_tree(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """code_ab.py's table: per tree the median over repeats of eager + torchpatches / eager diffusers (each run's own
+    ratio, not a ratio of medians), and the last tree over the first; a tree without a package is refused by name."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import code_ab
+
+    def entry(vanilla: float, fused: float) -> Dict[str, Any]:
+        return {"rows": {"eager/vanilla": {"median_ms": vanilla}, "eager/all": {"median_ms": fused, "host_ms": 1.0}}}
+
+    runs = {"sd3": {"old": [code_ab.row_numbers(entry(100.0, 80.0)), code_ab.row_numbers(entry(50.0, 41.0)),
+                            code_ab.row_numbers(entry(100.0, 90.0))],
+                    "new": [code_ab.row_numbers(entry(200.0, 160.0))] * 3}}
+    (line,) = code_ab.table(runs, ["old", "new"])
+    assert line["old_ratio"] == pytest.approx(0.82) and line["new_ratio"] == pytest.approx(0.8)
+    assert line["last_over_first"] == pytest.approx(0.8 / 0.82)
+    with pytest.raises(SystemExit, match="nowhere"):
+        code_ab.parse_trees(f"a={ROOT},b={tmp_path / 'nowhere'}")
+
+
 def test_benchmarks_import_public_names_only() -> None:
     found = []
     for path in sorted(BENCHMARKS.glob("*.py")):
