@@ -93,3 +93,30 @@ def test_additive_mask_is_what_sdpa_makes_of_the_boolean_one() -> None:
     q, k, v = (torch.randn(2, 2, 6, 8, generator=g).to(torch.bfloat16) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     assert torch.equal(sdpa(q, k, v, attn_mask=additive), sdpa(q, k, v, attn_mask=square))
+
+
+def _diffusers_square(attention_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    # diffusers 0.42.1 HunyuanVideo15AttnProcessor2_0, verbatim
+    batch_size = attention_mask.shape[0]
+    mask = torch.nn.functional.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True)
+    mask = mask.bool()
+    self_attn_mask_1 = mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+    self_attn_mask_2 = self_attn_mask_1.transpose(2, 3)
+    return (self_attn_mask_1 & self_attn_mask_2).bool()
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16, torch.float32])
+def test_square_mask_is_diffusers_mask_in_one_pass(dtype: torch.dtype) -> None:
+    """The one-pass square equals diffusers' repeat-and-transpose mask (and, with a dtype, ATen's conversion of it:
+    zeros, -inf where False) for masks with kept, dropped and fully dropped rows, an int and a bool text mask."""
+    g = torch.Generator().manual_seed(0)
+    for text in (torch.randint(0, 2, (3, 5), generator=g), torch.tensor([[0, 0, 0], [1, 1, 1]]).bool()):
+        expected = _diffusers_square(text, 9)
+        square = _per_step.square_mask(text, 9, dtype)
+        if dtype is None:
+            assert square.dtype == torch.bool and torch.equal(square, expected)
+        else:
+            reference = torch.zeros_like(expected, dtype=dtype).masked_fill_(expected.logical_not(), float("-inf"))
+            assert square.dtype == dtype and torch.equal(square, reference)
+            assert not torch.signbit(square[expected]).any()  # +0, as ATen's zeros
+        assert square.shape == expected.shape and square.is_contiguous()

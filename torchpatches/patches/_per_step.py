@@ -148,15 +148,19 @@ def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torc
     square = _SQUARE.get(attention_mask, key)
     if square is not None:
         return square
-    # diffusers' own code, verbatim:
     batch_size = attention_mask.shape[0]
-    mask = torch.nn.functional.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True)
+    mask = torch.nn.functional.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True)  # diffusers'
     mask = mask.bool()
-    self_attn_mask_1 = mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
-    self_attn_mask_2 = self_attn_mask_1.transpose(2, 3)
-    square = (self_attn_mask_1 & self_attn_mask_2).bool()
-    if dtype is not None:  # ATen's convert_boolean_attn_mask
-        square = torch.zeros_like(square, dtype=dtype).masked_fill_(square.logical_not(), float("-inf"))
+    # diffusers repeats the row mask to [B, 1, S, S] and ands it with its transpose; ATen then makes zeros and fills
+    # -inf where False: five passes over S * S (28 ms at 480p, 121 frames on an H200). The square is separable, so
+    # one broadcast pass writes the same values: row & column, or 0 + 0 = 0 where both are kept, else -inf.
+    rows, columns = mask.view(batch_size, 1, seq_len, 1), mask.view(batch_size, 1, 1, seq_len)
+    if dtype is None:
+        square = rows & columns
+    else:  # ATen's convert_boolean_attn_mask, exactly
+        keep = torch.zeros((), dtype=dtype, device=mask.device)
+        line = torch.where(mask, keep, float("-inf"))
+        square = line.view(batch_size, 1, seq_len, 1) + line.view(batch_size, 1, 1, seq_len)
     return _SQUARE.put(attention_mask, key, square)
 
 
