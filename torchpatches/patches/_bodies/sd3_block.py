@@ -9,9 +9,12 @@ from typing import Any
 import torch
 
 from .._fused_common import FALLBACK, fusable, linear, pattern_on, plain_layer_norm, stock
-from .._modulate_calls import modulated, residual, residual_modulated
+from .._double_stream import Double, double_stream
+from .._modulate_calls import modulated
 
 _NORMALIZATION = "diffusers.models.normalization"
+#: norm1 / norm1_context adaLN modules, norm2 / norm2_context through the modulate op while adaln is on, no clip.
+_SD3 = Double()
 
 
 def _block_ok(self: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any) -> bool:
@@ -37,42 +40,14 @@ def _norm1_dual(self: Any, hidden_states: torch.Tensor, temb: torch.Tensor) -> t
     )
     out = modulated(norm1.norm, hidden_states, scale_msa, shift_msa, fuse=True)
     out2 = modulated(norm1.norm, hidden_states, scale_msa2, shift_msa2, fuse=True)
-    return out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2
+    return out, gate_msa, shift_mlp, scale_mlp, gate_mlp, out2, gate_msa2  # double_stream's dual-attention tuple
 
 
 def _joint_block(self, hidden_states, encoder_hidden_states, temb, joint_attention_kwargs=None):
     if not _block_ok(self, hidden_states, encoder_hidden_states, temb):
         return FALLBACK
     # diffusers 0.42.1 JointTransformerBlock.forward with the gate/residual/norm2 glue fused.
-    joint_attention_kwargs = joint_attention_kwargs or {}
-    if self.use_dual_attention:
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = _norm1_dual(
-            self, hidden_states, temb
-        )
-    else:
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
-    if self.context_pre_only:
-        norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states, temb)
-    else:
-        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-            encoder_hidden_states, emb=temb
-        )
-    attn_output, context_attn_output = self.attn(
-        hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states, **joint_attention_kwargs
-    )
-    if self.use_dual_attention:
-        hidden_states = residual(hidden_states, gate_msa, attn_output, clip=False)
-        attn_output = self.attn2(hidden_states=norm_hidden_states2, **joint_attention_kwargs)
-        gate_msa = gate_msa2
-    hidden_states, norm_hidden_states = residual_modulated(
-        self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
-    )
-    hidden_states = residual(hidden_states, gate_mlp, self.ff(norm_hidden_states), clip=False)
-    if self.context_pre_only:
-        return None, hidden_states
-    encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
-        self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp
-    )
-    context_ff_output = self.ff_context(norm_encoder_hidden_states)
-    encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, context_ff_output, clip=False)
-    return encoder_hidden_states, hidden_states
+    image = _norm1_dual(self, hidden_states, temb) if self.use_dual_attention else self.norm1(hidden_states, emb=temb)
+    text = (self.norm1_context(encoder_hidden_states, temb),) if self.context_pre_only else None
+    return double_stream(_SD3, self, hidden_states, encoder_hidden_states, temb, {}, joint_attention_kwargs,
+                         image, text)

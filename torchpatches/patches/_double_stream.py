@@ -1,0 +1,102 @@
+"""One body for diffusers' joint double-stream blocks (image + text), with each model's differences as data.
+
+SD3's ``JointTransformerBlock``, QwenImage's ``QwenImageTransformerBlock`` and HunyuanVideo 1.5's
+``HunyuanVideo15TransformerBlock`` (diffusers 0.42.1) run the same stretch: per stream a LayerNorm + modulation
+(``norm1``), one joint attention call, then per stream ``h + gate_msa * attn`` with the next LayerNorm + modulation
+(``norm2``), the feed-forward and ``h + gate_mlp * ff``. A :class:`Double` row says where they differ;
+:func:`double_stream` runs the stretch with every module call of diffusers' code (norms, attention, feed-forwards:
+LoRA layers and hooks keep working) and the tensor glue through ``_modulate_calls``. The callers decide beforehand
+whether the call is theirs (each model's eligibility predicate) and may hand in a stream's modulation where their
+model computes it its own way (SD3.5's dual-attention norm, SD3's last block)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from ._fused_common import pattern_on
+from ._modulate_calls import modulated, residual, residual_modulated
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """One stream's modules, by the block's attribute names, and its rounding.
+
+    - ``norm1`` / ``norm2``: the LayerNorm + modulation before the attention and before the feed-forward;
+    - ``mlp``: the feed-forward;
+    - ``mod``: the Linear that makes the stream's six vectors from ``temb`` (QwenImage: ``(shift, scale, gate)``
+      twice) for ``norm1``, a plain LayerNorm; None: ``norm1(x, emb=temb)`` returns them (``AdaLayerNormZero``);
+    - ``clip``: diffusers clips the fp16 output of the last residual (QwenImage; FLUX's text stream)."""
+
+    norm1: str
+    norm2: str
+    mlp: str
+    mod: Optional[str] = None
+    clip: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Double:
+    """How one diffusers 0.42.1 double-stream block differs from the others.
+
+    - ``image`` / ``text``: each stream's :class:`Stream`;
+    - ``fuse``: the LayerNorms go through the modulate op while ``adaln`` is applied (None: SD3, whose norm1 are
+      adaLN modules) or always (True: the block owns its affine-free LayerNorms, QwenImage, HunyuanVideo 1.5);
+    - ``image_first``: the block returns ``(image, text)`` (HunyuanVideo 1.5), not ``(text, image)``."""
+
+    image: Stream = Stream("norm1", "norm2", "ff")
+    text: Stream = Stream("norm1_context", "norm2_context", "ff_context")
+    fuse: Optional[bool] = None
+    image_first: bool = False
+
+
+def modulation(row: Double, stream: Stream, block: Any, x: torch.Tensor, temb: torch.Tensor) -> tuple:
+    """``(norm1 output, gate_msa, shift_mlp, scale_mlp, gate_mlp)`` of one stream, as its block computes them."""
+    norm1 = getattr(block, stream.norm1)
+    if stream.mod is None:
+        return norm1(x, emb=temb)
+    first, second = getattr(block, stream.mod)(temb).chunk(2, dim=-1)
+    shift1, scale1, gate1 = first.chunk(3, dim=-1)
+    shift2, scale2, gate2 = second.chunk(3, dim=-1)
+    fuse = pattern_on("adaln") if row.fuse is None else row.fuse
+    return modulated(norm1, x, scale1, shift1, fuse=fuse), gate1, shift2, scale2, gate2
+
+
+def _tail(row: Double, stream: Stream, block: Any, h: torch.Tensor, gate_msa: torch.Tensor, attn_output: Any,
+          vectors: tuple) -> torch.Tensor:
+    """``h + gate_msa * attn`` with norm2 + modulation, the feed-forward, ``h + gate_mlp * ff``; ``vectors``: the
+    stream's :func:`modulation` (``shift_mlp, scale_mlp, gate_mlp`` at 2, 3, 4)."""
+    h, normed = residual_modulated(getattr(block, stream.norm2), h, gate_msa, attn_output, vectors[3], vectors[2],
+                                   fuse=row.fuse)
+    return residual(h, vectors[4], getattr(block, stream.mlp)(normed), clip=stream.clip)
+
+
+def double_stream(row: Double, block: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                  temb: Any, attention: dict, joint_attention_kwargs: Optional[dict] = None,
+                  image: Optional[tuple] = None, text: Optional[tuple] = None) -> tuple:
+    """The block's output for a call its caller covers: ``(text, image)``, or as ``row.image_first`` says.
+
+    ``attention``: the keyword arguments of ``block.attn`` besides the two normalized streams (the caller's
+    names: ``image_rotary_emb=``, a mask), then ``joint_attention_kwargs``. ``image`` / ``text``: a stream's
+    :func:`modulation` where the caller computes it; an image tuple of 7 (SD3.5's dual attention: the second
+    normalized input and its gate) runs ``attn2`` on the image stream after the joint attention; a text tuple of
+    1 (SD3's ``context_pre_only`` last block: the normalized text only) ends the text stream at the attention and
+    returns ``(None, image)``."""
+    img = image if image is not None else modulation(row, row.image, block, hidden_states, temb)
+    txt = text if text is not None else modulation(row, row.text, block, encoder_hidden_states, temb)
+    kwargs = joint_attention_kwargs or {}
+    attn_output, context_attn_output = block.attn(hidden_states=img[0], encoder_hidden_states=txt[0], **attention,
+                                                  **kwargs)
+    gate_msa = img[1]
+    if len(img) == 7:  # diffusers: the first residual alone, attn2, then the fused residual with its gate
+        hidden_states = residual(hidden_states, gate_msa, attn_output, clip=False)
+        attn_output = block.attn2(hidden_states=img[5], **kwargs)
+        gate_msa = img[6]
+    hidden_states = _tail(row, row.image, block, hidden_states, gate_msa, attn_output, img)
+    if len(txt) == 1:
+        return None, hidden_states
+    encoder_hidden_states = _tail(row, row.text, block, encoder_hidden_states, txt[1], context_attn_output, txt)
+    if row.image_first:
+        return hidden_states, encoder_hidden_states
+    return encoder_hidden_states, hidden_states
