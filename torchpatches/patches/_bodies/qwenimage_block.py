@@ -9,9 +9,13 @@ from typing import Any
 import torch
 
 from .._fused_common import FALLBACK, fusable, plain_layer_norm, remembered
-from .._modulate_calls import modulated, residual, residual_modulated
+from .._double_stream import Double, Stream, double_stream
 
 _QWEN = "diffusers.models.transformers.transformer_qwenimage"
+#: Plain LayerNorms modulated by img_mod / txt_mod (shift, scale, gate twice), all through the modulate op; the fp16
+#: clip after each feed-forward.
+_QWEN_BLOCK = Double(Stream("img_norm1", "img_norm2", "img_mlp", mod="img_mod", clip=True),
+                     Stream("txt_norm1", "txt_norm2", "txt_mlp", mod="txt_mod", clip=True), fuse=True)
 
 
 def _covered(self: Any, hidden_states: Any, encoder_hidden_states: Any, temb: Any, modulate_index: Any) -> bool:
@@ -43,26 +47,6 @@ def _block(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mas
     if not _covered(self, hidden_states, encoder_hidden_states, temb, modulate_index):
         return FALLBACK
     # diffusers 0.42.1 QwenImageTransformerBlock.forward with the glue fused (zero_cond_t is False here).
-    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
-    txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
-    img_shift1, img_scale1, img_gate1 = img_mod1.chunk(3, dim=-1)
-    txt_shift1, txt_scale1, txt_gate1 = txt_mod1.chunk(3, dim=-1)
-    img_modulated = modulated(self.img_norm1, hidden_states, img_scale1, img_shift1, fuse=True)
-    txt_modulated = modulated(self.txt_norm1, encoder_hidden_states, txt_scale1, txt_shift1, fuse=True)
-    img_attn_output, txt_attn_output = self.attn(
-        hidden_states=img_modulated,
-        encoder_hidden_states=txt_modulated,
-        encoder_hidden_states_mask=encoder_hidden_states_mask,
-        image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}),
-    )
-    img_shift2, img_scale2, img_gate2 = img_mod2.chunk(3, dim=-1)
-    txt_shift2, txt_scale2, txt_gate2 = txt_mod2.chunk(3, dim=-1)
-    hidden_states, img_modulated2 = residual_modulated(self.img_norm2, hidden_states, img_gate1, img_attn_output,
-                                                       img_scale2, img_shift2, fuse=True)
-    hidden_states = residual(hidden_states, img_gate2, self.img_mlp(img_modulated2), clip=True)
-    encoder_hidden_states, txt_modulated2 = residual_modulated(
-        self.txt_norm2, encoder_hidden_states, txt_gate1, txt_attn_output, txt_scale2, txt_shift2, fuse=True
-    )
-    encoder_hidden_states = residual(encoder_hidden_states, txt_gate2, self.txt_mlp(txt_modulated2), clip=True)
-    return encoder_hidden_states, hidden_states
+    return double_stream(_QWEN_BLOCK, self, hidden_states, encoder_hidden_states, temb,
+                         {"encoder_hidden_states_mask": encoder_hidden_states_mask,
+                          "image_rotary_emb": image_rotary_emb}, joint_attention_kwargs)
