@@ -11,13 +11,15 @@ import torch
 from ..._core.lazy import lazy_module
 from .._fused_common import FALLBACK, fusable
 from .._joint_attention import Joint, attend
-from .._modulate_calls import residual, residual_modulated
+from .._double_stream import Double, double_stream
 
 _per_step = lazy_module("torchpatches.patches._per_step")
 #: HunyuanVideo15AttnProcessor2_0: [image; text], FLUX's RoPE on the image rows only, to_out / to_add_out where
 #: present.
 _HUNYUAN15 = Joint("diffusers.models.transformers.transformer_hunyuan_video15", rope="image_rows",
                    optional_out=True)
+#: adaLN-Zero norm1 modules, affine-free norm2 LayerNorms always through the modulate op, (image, text) returned.
+_BLOCK = Double(fuse=True, image_first=True)
 
 
 def _native(processor: Any) -> bool:
@@ -46,22 +48,5 @@ def block(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
                               and hidden_states.dim() == 3 and type(encoder_hidden_states) is torch.Tensor):
         return FALLBACK
     # diffusers 0.42.1 HunyuanVideo15TransformerBlock.forward, the glue through the modulate op where it fits.
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-        encoder_hidden_states, emb=temb
-    )
-    attn_output, context_attn_output = self.attn(
-        hidden_states=norm_hidden_states,
-        encoder_hidden_states=norm_encoder_hidden_states,
-        attention_mask=attention_mask,
-        image_rotary_emb=freqs_cis,
-    )
-    hidden_states, norm_hidden_states = residual_modulated(self.norm2, hidden_states, gate_msa, attn_output, scale_mlp,
-                                                           shift_mlp, fuse=True)
-    encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
-        self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, fuse=True)
-    ff_output = self.ff(norm_hidden_states)
-    context_ff_output = self.ff_context(norm_encoder_hidden_states)
-    hidden_states = residual(hidden_states, gate_mlp, ff_output, clip=False)
-    encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, context_ff_output, clip=False)
-    return hidden_states, encoder_hidden_states
+    return double_stream(_BLOCK, self, hidden_states, encoder_hidden_states, temb,
+                         {"attention_mask": attention_mask, "image_rotary_emb": freqs_cis})
