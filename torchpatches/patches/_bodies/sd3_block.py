@@ -47,7 +47,9 @@ def _joint_block(self, hidden_states, encoder_hidden_states, temb, joint_attenti
     if not _block_ok(self, hidden_states, encoder_hidden_states, temb):
         return FALLBACK
     # diffusers 0.42.1 JointTransformerBlock.forward with the gate/residual/norm2 glue fused.
-    image = _norm1_dual(self, hidden_states, temb) if self.use_dual_attention else self.norm1(hidden_states, emb=temb)
-    text = (self.norm1_context(encoder_hidden_states, temb),) if self.context_pre_only else None
+    modules = self._modules  # the attribute lookup is nn.Module.__getattr__ in Python: host time
+    image = _norm1_dual(self, hidden_states, temb) if self.use_dual_attention \
+        else modules["norm1"](hidden_states, emb=temb)
+    text = (modules["norm1_context"](encoder_hidden_states, temb),) if self.context_pre_only else None
     return double_stream(_SD3, self, hidden_states, encoder_hidden_states, temb, {}, joint_attention_kwargs,
                          image, text)
