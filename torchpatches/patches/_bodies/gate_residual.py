@@ -3,6 +3,7 @@
 Its banner and declaration: ``patches/gate_residual.py``."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Optional, Tuple
 
@@ -10,7 +11,8 @@ import torch
 
 from ..._core.lazy import lazy_module
 from .._fused_common import FALLBACK, FLOAT_DTYPES, fusable, linear, pattern_on, stock
-from .._modulate_calls import modulated, residual, residual_modulated
+from .._double_stream import Double, Stream, double_stream, stock_processor
+from .._modulate_calls import modulated, residual
 
 _FLUX = "diffusers.models.transformers.transformer_flux"
 _FLUX2 = "diffusers.models.transformers.transformer_flux2"
@@ -62,51 +64,21 @@ def _block_ok(block: Any, *tensors: Any) -> bool:
     )
 
 
-def _processor_of(attn: Any, module_name: str, cls_name: str, kwargs: Any) -> Any:
-    """``attn.processor`` where the block may call it as the attention's ``forward`` would (diffusers 0.42.1):
-    no keyword arguments for ``forward`` to filter against the processor's signature, and ``attn`` exactly
-    the stock class (no hooks, no ``forward`` on the instance; the class's ``forward`` is an assumption of
-    the target, checked per call). Else None: the module call."""
-    if kwargs or not stock(attn, getattr(sys.modules[module_name], cls_name)):
-        return None
-    return attn.processor
-
-
 def _attention(attn: Any, where: Tuple[str, str], kwargs: Any, processor_args: tuple, **named: Any) -> Any:
-    """``attn(**named, **kwargs)``, the block's call in diffusers 0.42.1; where :func:`_processor_of` allows it, the
-    call that attention's ``forward`` makes instead, ``attn.processor(attn, *processor_args)``, without its
+    """``attn(**named, **kwargs)``, the block's call in diffusers 0.42.1; where :func:`stock_processor` allows it,
+    the call that attention's ``forward`` makes instead, ``attn.processor(attn, *processor_args)``, without its
     signature lookup. ``where``: the (module, class) of the block's stock attention."""
-    processor = _processor_of(attn, *where, kwargs)
+    processor = stock_processor(attn, *where, kwargs)
     if processor is not None:
         return processor(attn, *processor_args)
     return attn(**named, **(kwargs or {}))
 
 
-def _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
-                 img_mlp, txt_mlp, image_rotary_emb, joint_attention_kwargs, attention: Tuple[str, str],
-                 **mask: Any):
-    """The shared rest of the double blocks (diffusers 0.42.1) from the attention call on, with the glue fused.
-    ``img_mlp`` / ``txt_mlp``: (gate_msa, shift_mlp, scale_mlp, gate_mlp) of each stream; ``attention``: the
-    (module, class) of the block's stock attention; ``mask``: ``attention_mask=`` where the block passes one
-    (Chroma)."""
-    gate_msa, shift_mlp, scale_mlp, gate_mlp = img_mlp
-    c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt_mlp
-    attn_output, context_attn_output = _attention(
-        self.attn, attention, joint_attention_kwargs,
-        (norm_hidden_states, norm_encoder_hidden_states, mask.get("attention_mask"), image_rotary_emb),
-        hidden_states=norm_hidden_states, encoder_hidden_states=norm_encoder_hidden_states,
-        image_rotary_emb=image_rotary_emb, **mask,
-    )
-    hidden_states, norm_hidden_states = residual_modulated(
-        self.norm2, hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp
-    )
-    hidden_states = residual(hidden_states, gate_mlp, self.ff(norm_hidden_states), clip=False)
-    encoder_hidden_states, norm_encoder_hidden_states = residual_modulated(
-        self.norm2_context, encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp
-    )
-    encoder_hidden_states = residual(encoder_hidden_states, c_gate_mlp, self.ff_context(norm_encoder_hidden_states),
-                                     clip=True)
-    return encoder_hidden_states, hidden_states
+#: FLUX.1's double block (Chroma's too): adaLN-Zero norm1 modules, norm2 through the modulate op while adaln is on,
+#: the fp16 clip on the text stream only, FluxAttention's processor called directly.
+_FLUX_DOUBLE = Double(Stream("norm1", "norm2", "ff"), Stream("norm1_context", "norm2_context", "ff_context", clip=True),
+                      processor=(_FLUX, "FluxAttention"))
+_FLUX2_DOUBLE = dataclasses.replace(_FLUX_DOUBLE, processor=(_FLUX2, "Flux2Attention"))
 
 
 def _flux_double(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -114,13 +86,8 @@ def _flux_double(self, hidden_states, encoder_hidden_states, temb, image_rotary_
     if not (_block_ok(self, hidden_states, encoder_hidden_states, temb)
             and type(self.attn.processor) is sys.modules[_FLUX].FluxAttnProcessor):  # not IP-adapter (3 outputs)
         return FALLBACK
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(
-        encoder_hidden_states, emb=temb
-    )
-    return _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
-                        (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp),
-                        image_rotary_emb, joint_attention_kwargs, (_FLUX, "FluxAttention"))
+    return double_stream(_FLUX_DOUBLE, self, hidden_states, encoder_hidden_states, temb,
+                         {"image_rotary_emb": image_rotary_emb}, joint_attention_kwargs)
 
 
 def _flux_single(self, hidden_states, encoder_hidden_states, temb, image_rotary_emb=None,
@@ -172,12 +139,12 @@ def _flux2_double(self, hidden_states, encoder_hidden_states, temb_mod_img, temb
     (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(temb_mod_img, 2)
     (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split(temb_mod_txt, 2)
     fuse = pattern_on("adaln")
-    norm_hidden_states = modulated(self.norm1, hidden_states, scale_msa, shift_msa, fuse=fuse)
-    norm_encoder_hidden_states = modulated(self.norm1_context, encoder_hidden_states, c_scale_msa, c_shift_msa,
-                                           fuse=fuse)
-    return _double_rest(self, hidden_states, encoder_hidden_states, norm_hidden_states, norm_encoder_hidden_states,
-                        (gate_msa, shift_mlp, scale_mlp, gate_mlp), (c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp),
-                        image_rotary_emb, joint_attention_kwargs, (_FLUX2, "Flux2Attention"))
+    image = (modulated(self.norm1, hidden_states, scale_msa, shift_msa, fuse=fuse), gate_msa, shift_mlp, scale_mlp,
+             gate_mlp)
+    text = (modulated(self.norm1_context, encoder_hidden_states, c_scale_msa, c_shift_msa, fuse=fuse), c_gate_msa,
+            c_shift_mlp, c_scale_mlp, c_gate_mlp)
+    return double_stream(_FLUX2_DOUBLE, self, hidden_states, encoder_hidden_states, None,
+                         {"image_rotary_emb": image_rotary_emb}, joint_attention_kwargs, image, text)
 
 
 def _flux2_single(self, hidden_states, encoder_hidden_states, temb_mod, image_rotary_emb=None,
@@ -227,9 +194,9 @@ def _chroma_double(self, hidden_states, encoder_hidden_states, temb, image_rotar
     txt = _pruned(self.norm1_context, "ChromaAdaLayerNormZeroPruned", encoder_hidden_states, temb[:, 6:], 6)
     if img is None or txt is None:
         return FALLBACK
-    return _double_rest(self, hidden_states, encoder_hidden_states, img[0], txt[0], img[1:], txt[1:],
-                        image_rotary_emb, joint_attention_kwargs, (_FLUX, "FluxAttention"),
-                        attention_mask=_outer(attention_mask))
+    return double_stream(_FLUX_DOUBLE, self, hidden_states, encoder_hidden_states, None,
+                         {"image_rotary_emb": image_rotary_emb, "attention_mask": _outer(attention_mask)},
+                         joint_attention_kwargs, img, txt)
 
 
 def _chroma_single(self, hidden_states, temb, image_rotary_emb=None, attention_mask=None,
