@@ -139,12 +139,12 @@ def test_plain_norm_keeps_signed_zeros(tier: str) -> None:
     from diffusers.models.normalization import RMSNorm
 
     from torchpatches.ops import _modulate
-    from torchpatches.patches._bodies import ltx2
+    from torchpatches.patches import _table_modulated
 
     x = torch.randn(2, 3, 16, dtype=torch.bfloat16, device=DEVICE)
     x[0, 1] = -0.0
     x[1, 2, :5] = -0.0
-    zero, negative = ltx2._identity(x)
+    zero, negative = _table_modulated.identity(x)
     with force_tier(tier), torchpatches.disabled("gelu_gemm"):
         out = _modulate.prechecked(x, None, None, zero, negative, 1e-6, addends=(None, zero, negative), rms=True)[0]
     ref = RMSNorm(16, eps=1e-6, elementwise_affine=False)(x)

@@ -10,9 +10,10 @@ gated residual, per sublayer). LTX-2 interleaves two streams and its cross-modal
 norms before either residual, so it sequences :meth:`Stream.step` itself.
 
 A vector is a ``(term, addend)`` pair whose sum is diffusers' vector (the kernel adds the two in its loads, without
-a ``[B, S, D]`` tensor of the sum), or ``(vector, None)``: one already formed (Wan 2.1's fp32 chunks). One op call
-takes vectors of one form. The callers check beforehand that the pairs fit ``x`` (plain tensors on its device, of
-its dtype, or any float dtype with ``once``; ``[B, D]`` or ``[B, 1 or S, D]``) and which norms are stock.
+a ``[B, S, D]`` tensor of the sum), or ``(vector, None)``: one already formed (Wan 2.1's fp32 chunks). A stream's
+vectors are of one form (an op call takes one). The callers check beforehand whether they fit ``x`` (plain tensors
+on its device, of its dtype, or any float dtype with ``once``; ``[B, D]`` or ``[B, 1 or S, D]``) and which norms are
+stock.
 """
 from __future__ import annotations
 
@@ -95,12 +96,12 @@ def _affine(norm: Any, x: torch.Tensor) -> bool:
 
 class Stream:
     """One stream's activations ``x`` through a block of :class:`Table` ``row``; ``fits``: its vectors fit x (else
-    every step computes diffusers' expressions)."""
+    every step computes diffusers' expressions); ``two``: they are two-term pairs (else formed vectors)."""
 
-    __slots__ = ("row", "x", "fits")
+    __slots__ = ("row", "x", "fits", "two")
 
-    def __init__(self, row: Table, x: torch.Tensor, fits: bool = True) -> None:
-        self.row, self.x, self.fits = row, x, fits
+    def __init__(self, row: Table, x: torch.Tensor, fits: bool = True, two: bool = True) -> None:
+        self.row, self.x, self.fits, self.two = row, x, fits, two
 
     def _residual(self, gate: Optional[Vector], y: Any, float_y: bool) -> torch.Tensor:
         """diffusers' residual: ``x + y * gate`` (``x + y`` without gate), in fp32 rounded once with ``once``
@@ -127,35 +128,37 @@ class Stream:
         ``norm(x) * (1 + scale) + shift`` (the plain norm for ``scale`` None), returned: one kernel where ``y`` and
         the vectors fit and the norm is stock (``norm_fits``), else diffusers' expressions for what does not."""
         x = self.x
-        if y is None and norm is None:
-            return None
-        if y is not None and not (self.fits and _rows_fit(x, y)):  # a branch of another form
-            self.x = self._residual(gate, y, float_y)
-            if norm is None:
-                return None
-            if not _rows_fit(x, self.x):  # promoted or broadcast: diffusers' expressions from here on
-                self.fits = False
-                return self._normed(norm, scale, shift)
-            x, gate, y = self.x, None, None
-        if norm is not None and not (norm_fits and self.fits):
-            if y is not None:
-                self.x = self._residual(gate, y, float_y)
-            return self._normed(norm, scale, shift)
-        first = gate if gate is not None else scale
-        two = first is not None and first[1] is not None  # one op call takes vectors of one form
+        if not (self.fits and norm_fits) or (y is not None and not _rows_fit(x, y)):
+            return self._unfused(gate, y, scale, shift, norm, norm_fits, float_y)
+        row, two = self.row, self.two
         if norm is not None and scale is None:
-            if self.row.affine_plain:
+            if row.affine_plain:
                 return self._affine_norm(gate, y, norm)
             zero, negative = identity(x)
             scale, shift = ((zero, zero), (negative, negative)) if two else ((zero, None), (negative, None))
         outs = modulate_ops().prechecked(
             x, None if gate is None else gate[0], y, None if scale is None else scale[0],
-            None if shift is None else shift[0], None if norm is None else norm.eps, once=self.row.once,
+            None if shift is None else shift[0], None if norm is None else norm.eps, once=row.once,
             addends=(None if gate is None else gate[1], None if scale is None else scale[1],
-                     None if shift is None else shift[1]) if two else None, rms=self.row.rms)
+                     None if shift is None else shift[1]) if two else None, rms=row.rms)
         if y is not None:
             self.x = outs[0]
         return outs[-1] if norm is not None else None
+
+    def _unfused(self, gate: Optional[Vector], y: Any, scale: Optional[Vector], shift: Optional[Vector], norm: Any,
+                 norm_fits: bool, float_y: bool) -> Optional[torch.Tensor]:
+        """:meth:`step` in diffusers' expressions; after a branch of another form the norm still in one kernel
+        where it fits."""
+        x = self.x
+        if y is not None:
+            self.x = self._residual(gate, y, float_y)
+            if norm is None:
+                return None
+            if not _rows_fit(x, self.x):  # promoted or broadcast: diffusers' expressions from here on
+                self.fits = False
+            elif self.fits and norm_fits:
+                return self.step(None, None, scale, shift, norm)
+        return self._normed(norm, scale, shift)
 
     def _affine_norm(self, gate: Optional[Vector], y: Any, norm: Any) -> torch.Tensor:
         """The gated residual and an unmodulated affine ``FP32LayerNorm`` in one pass where the norm is stock
@@ -166,9 +169,10 @@ class Stream:
             g = _sum(gate, True)
             if _vectors_fit(x, g, rounding="once"):
                 self.x, out = modulate_ops().gate_residual_layer_norm(x, g, y, norm.weight, norm.bias, eps=norm.eps,
-                                                           rounding="once")
+                                                                      rounding="once")
                 return out
-        self.step(gate, y)
+        if y is not None:
+            self.step(gate, y)
         return self._normed(norm, None, None)
 
 

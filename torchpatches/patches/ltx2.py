@@ -31,8 +31,8 @@ What the patch changes
     (weightless diffusers ``RMSNorm`` in the block, ``torch.nn.RMSNorm`` with a weight of the input's dtype in the
     attention), tables or ``temb`` of another dtype or shape, the interleaved RoPE, a replaced global
     (``apply_split_rotary_emb``, ``dispatch_attention_fn``, ``RMSNorm.forward``, ``LTX2Attention.forward``,
-    ``F.rms_norm``, ``F.linear``). A step whose tensors do not fit (an attention output of another dtype) computes
-    diffusers' expression for it.
+    ``F.rms_norm``, ``F.linear``). A residual whose branch does not fit (an attention output of another dtype) is
+    diffusers' expression; the norm after it is still one kernel where the stream keeps its dtype and shape.
 
 Tolerance
     PyTorch tier: diffusers' values bit for bit (its own expressions; ``table + temb`` and ``temb + table``, ``gate *

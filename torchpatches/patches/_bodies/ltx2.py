@@ -1,18 +1,20 @@
 """The ``ltx2`` patch's replacement code, imported when the registry patches its first target.
 
-Its banner and declaration: ``patches/ltx2.py``."""
+Its banner and declaration: ``patches/ltx2.py``. The block's glue runs on the table-modulated block body
+(``patches/_table_modulated.py``): each stream a :class:`Stream` of LTX-2's row, the two streams sequenced here (the
+cross-modal attentions read both streams' norms before either residual)."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
 from ..._core.lazy import lazy_module
 from .._fused_common import (_CALL_IMPL, _MODULE_CALL, FALLBACK, declined, dropout, fusable, linear, plain_rms_norm,
                              remembered, stock)
-from .._modulate_calls import _rows_fit, modulate_ops
 from .._per_step import _PerSource, _versions, _with
+from .._table_modulated import Stream, Table
 
 _LTX2 = "diffusers.models.transformers.transformer_ltx2"
 _rope_ops = lazy_module("torchpatches.ops._rms_norm_rope")
@@ -62,57 +64,23 @@ def _terms(temb: Any, x: torch.Tensor, rows: int) -> Optional[tuple]:
     return temb.unflatten(-1, (rows, D)).unbind(-2)
 
 
-#: ``[D]`` zeros and negative zeros per (device, dtype, width): ``n * (1 + 0) + (-0.0)`` is ``n`` exactly (also for
-#: ``n = -0.0``, NaN and infinities), so the modulate op's norm + modulation computes a plain norm with them.
-_IDENTITY: dict = {}
+#: LTX-2's glue on the table-modulated body: diffusers' rounding after each op, weightless RMSNorms (norm2 unmodulated
+#: in LTX-2.0: a modulation by zero and negative zero).
+LTX2 = Table(once=False, rms=True)
 
 
-def _identity(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    key = (x.device, x.dtype, x.shape[-1])
-    pair = _IDENTITY.get(key)
-    if pair is None:
-        with torch.inference_mode(False):
-            zero = torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device)
-            pair = _IDENTITY[key] = (zero, torch.full_like(zero, -0.0))
-    B = x.shape[0]
-    return pair[0].expand(B, 1, x.shape[-1]), pair[1].expand(B, 1, x.shape[-1])
+class _Stream(Stream):
+    """One modality through the block: ``x``, its submodules' names and its modulation vectors as (temb term, table
+    row) pairs, summed by the op in its kernels (diffusers' ``table[None, None] + temb``, rounded)."""
 
-
-class _Stream:
-    """One modality's state through the block: ``x`` and its modulation vectors as (temb term, table row) pairs,
-    summed by the op in its kernels (diffusers' ``table[None, None] + temb``, rounded)."""
-
-    __slots__ = ("block", "names", "x", "mod", "ca", "ca_gate")
+    __slots__ = ("block", "names", "mod", "ca", "ca_gate")
 
     def __init__(self, block: Any, names: tuple, x: torch.Tensor, mod: tuple, ca: tuple, ca_gate: tuple) -> None:
-        self.block, self.names, self.x, self.mod, self.ca, self.ca_gate = block, names, x, mod, ca, ca_gate
+        self.row, self.x, self.fits, self.two = LTX2, x, True, True
+        self.block, self.names, self.mod, self.ca, self.ca_gate = block, names, mod, ca, ca_gate
 
     def module(self, i: int) -> Any:
         return self.block._modules[self.names[i]]
-
-    def step(self, gate: Optional[tuple], y: Any, scale: Optional[tuple], shift: Optional[tuple], norm: Optional[int],
-             ) -> Optional[torch.Tensor]:
-        """``x = x + y * gate`` (``x + y`` without gate; nothing without ``y``), then with ``norm``
-        ``norm(x) * (1 + scale) + shift`` (a plain ``norm(x)`` for ``scale`` None): one kernel where ``y`` fits,
-        else diffusers' expressions."""
-        x = self.x
-        if y is not None and not _rows_fit(x, y):  # a branch of another form: diffusers' expressions
-            self.x = x + y * (gate[1] + gate[0]) if gate is not None else x + y
-            if norm is None:
-                return None
-            out = self.module(norm)(self.x)
-            return out if scale is None else out * (1 + (scale[1] + scale[0])) + (shift[1] + shift[0])
-        if norm is not None and scale is None:  # a plain norm: zeros for the scale, negative zeros for the shift
-            zero, negative = _identity(x)
-            scale, shift = (zero, zero), (negative, negative)
-        outs = modulate_ops().prechecked(
-            x, None if gate is None else gate[0], y, None if scale is None else scale[0],
-            None if shift is None else shift[0], None if norm is None else self.module(norm).eps,
-            addends=(None if gate is None else gate[1], None if scale is None else scale[1],
-                     None if shift is None else shift[1]), rms=True)
-        if y is not None:
-            self.x = outs[0]
-        return outs[-1] if norm is not None else None
 
 
 def _mod_pairs(block: Any, names: tuple, x: torch.Tensor, temb: Any, temb_ca: Any, temb_gate: Any) -> Optional[tuple]:
@@ -199,9 +167,9 @@ def block(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio
     # fused with the norm that follows it.
     v, a = _Stream(self, _VIDEO, x, *video), _Stream(self, _AUDIO, xa, *audio)
     # 1. self-attention
-    y = v.step(None, None, v.mod[1], v.mod[0], 0)
+    y = v.step(None, None, v.mod[1], v.mod[0], v.module(0))
     v_out = _self_attend(self, self.attn1, y, self_attention_mask, video_rotary_emb, perturbation_mask, all_perturbed)
-    y = a.step(None, None, a.mod[1], a.mod[0], 0)
+    y = a.step(None, None, a.mod[1], a.mod[0], a.module(0))
     a_out = _self_attend(self, self.audio_attn1, y, audio_self_attention_mask, audio_rotary_emb, perturbation_mask,
                          all_perturbed)
     # 2. text cross-attention (LTX-2.3: the query modulated, the text too)
@@ -213,7 +181,7 @@ def block(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio
     for s, out, attn, ctx, mask in ((v, v_out, self.attn2, context, encoder_attention_mask),
                                     (a, a_out, self.audio_attn2, audio_context, audio_encoder_attention_mask)):
         q_mod = len(s.mod) == 9
-        y = s.step(s.mod[2], out, s.mod[7] if q_mod else None, s.mod[6] if q_mod else None, 2)
+        y = s.step(s.mod[2], out, s.mod[7] if q_mod else None, s.mod[6] if q_mod else None, s.module(2))
         outs.append(_attend(attn, y, ctx, mask, None, None))
     # 3. audio-to-video and video-to-audio cross-attention: per stream rows 0, 1 of the cross-modal table modulate
     # the a2v inputs, rows 2, 3 the v2a inputs; each text residual fused with the cross-modal norm
@@ -222,12 +190,13 @@ def block(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio
     for s, out in ((v, outs[0]), (a, outs[1])):
         gate = s.mod[8] if len(s.mod) == 9 else None
         if not cross:
-            s.step(gate, out, None, None, None)
+            s.step(gate, out)
             mods.append((None, None))
             continue
         first = (0, 1) if use_a2v_cross_attention else (2, 3)
-        m1 = s.step(gate, out, s.ca[first[0]], s.ca[first[1]], 4)
-        m2 = s.step(None, None, s.ca[2], s.ca[3], 4) if use_a2v_cross_attention and use_v2a_cross_attention else None
+        m1 = s.step(gate, out, s.ca[first[0]], s.ca[first[1]], s.module(4))
+        both = use_a2v_cross_attention and use_v2a_cross_attention
+        m2 = s.step(None, None, s.ca[2], s.ca[3], s.module(4)) if both else None
         mods.append((m1, m2) if use_a2v_cross_attention else (None, m1))
     (v_a2v, v_v2a), (a_a2v, a_v2a) = mods
     v_cross = a_cross = None
@@ -239,8 +208,8 @@ def block(self, hidden_states, audio_hidden_states, encoder_hidden_states, audio
                           ca_video_rotary_emb)
     # 4. feed-forward: the cross-modal residual fused with norm3 + modulation, then the last gated residual
     for s, out in ((v, v_cross), (a, a_cross)):
-        y = s.step(s.ca_gate if out is not None else None, out, s.mod[4], s.mod[3], 5)
-        s.step(s.mod[5], s.module(6)(y), None, None, None)
+        y = s.step(s.ca_gate if out is not None else None, out, s.mod[4], s.mod[3], s.module(5))
+        s.step(s.mod[5], s.module(6)(y))
     return v.x, a.x
 
 

@@ -48,7 +48,7 @@ def _block(self, hidden_states, encoder_hidden_states, temb, rotary_emb):
     vectors = _two_terms(self.scale_shift_table, temb, x) if temb.ndim == 4 else None
     if vectors is None:
         vectors = _modulation(self.scale_shift_table, temb)
-        stream = Stream(WAN, x, _vectors_fit(x, *(v[0] for v in vectors), rounding="once"))
+        stream = Stream(WAN, x, _vectors_fit(x, *(v[0] for v in vectors), rounding="once"), two=False)
     else:
         stream = Stream(WAN, x)
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = vectors
