@@ -128,19 +128,24 @@ class Stream:
         ``norm(x) * (1 + scale) + shift`` (the plain norm for ``scale`` None), returned: one kernel where ``y`` and
         the vectors fit and the norm is stock (``norm_fits``), else diffusers' expressions for what does not."""
         x = self.x
-        if not (self.fits and norm_fits) or (y is not None and not _rows_fit(x, y)):
+        if not (self.fits and norm_fits) or (y is not None and not (  # _rows_fit, inlined: hot
+                type(y) is torch.Tensor and y.shape == x.shape and y.dtype == x.dtype and y.device == x.device)):
             return self._unfused(gate, y, scale, shift, norm, norm_fits, float_y)
-        row, two = self.row, self.two
-        if norm is not None and scale is None:
-            if row.affine_plain:
-                return self._affine_norm(gate, y, norm)
-            zero, negative = identity(x)
-            scale, shift = ((zero, zero), (negative, negative)) if two else ((zero, None), (negative, None))
-        outs = modulate_ops().prechecked(
-            x, None if gate is None else gate[0], y, None if scale is None else scale[0],
-            None if shift is None else shift[0], None if norm is None else norm.eps, once=row.once,
-            addends=(None if gate is None else gate[1], None if scale is None else scale[1],
-                     None if shift is None else shift[1]) if two else None, rms=row.rms)
+        row = self.row
+        g = g2 = s = s2 = h = h2 = eps = None
+        if gate is not None:
+            g, g2 = gate
+        if norm is not None:
+            if scale is None:
+                if row.affine_plain:
+                    return self._affine_norm(gate, y, norm)
+                s, h = identity(x)  # the plain norm: a modulation by zero and negative zero
+                s2, h2 = (s, h) if self.two else (None, None)
+            else:
+                (s, s2), (h, h2) = scale, shift
+            eps = norm.eps
+        outs = modulate_ops().prechecked(x, g, y, s, h, eps, once=row.once, rms=row.rms,
+                                         addends=(g2, s2, h2) if self.two else None)
         if y is not None:
             self.x = outs[0]
         return outs[-1] if norm is not None else None
@@ -177,8 +182,8 @@ class Stream:
 
 
 #: One sublayer of a single-stream block: its norm, whether that norm is stock (else diffusers' norm expression),
-#: its ``(scale, shift)`` (None: an unmodulated norm), the module called on the norm's output with the arguments
-#: after it, and the gate of its residual (None: ``x + out``).
+#: its ``(scale, shift)`` (None: an unmodulated norm), what is called on the norm's output (a module, or a function
+#: taking it first) with the arguments after it, and the gate of its residual (None: ``x + out``).
 Sublayer = Tuple[Any, bool, Optional[Tuple[Vector, Vector]], Callable[..., Any], tuple, Optional[Vector]]
 
 
