@@ -1,6 +1,7 @@
 """One body for diffusers' table-modulated blocks (``scale_shift_table + temb``), each model's differences as data.
 
-Wan 2.1 / 2.2's ``WanTransformerBlock`` and each stream of LTX-2's ``LTX2VideoTransformerBlock`` run the same glue
+Wan 2.1 / 2.2's ``WanTransformerBlock``, Krea 2's ``Krea2TransformerBlock`` and each stream of LTX-2's
+``LTX2VideoTransformerBlock`` run the same glue
 between their module calls: a residual (``x + gate * y`` or ``x + y``) followed by the next norm and its modulation
 (``norm(x) * (1 + scale) + shift``, or the norm alone), every vector a row of the block's learned table plus a chunk
 of the timestep projection. A :class:`Table` row says how a model computes that glue (rounding, norm kind, its
@@ -36,12 +37,14 @@ class Table:
     - ``once``: fp32 arithmetic rounded once to x's dtype (Wan's ``(x.float() + y * gate).type_as(x)`` and
       ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``), not diffusers' rounding after each op (LTX-2);
     - ``rms``: the norms are diffusers' weightless ``RMSNorm`` (LTX-2) rather than ``FP32LayerNorm`` without affine;
+    - ``zero_centered``: the norms are zero-centered RMSNorms with a ``[D]`` weight (Krea 2's ``x * (1 + weight)``);
     - ``affine_plain``: the unmodulated norm is an affine ``FP32LayerNorm`` (Wan's ``norm2``, fused with the gated
       residual before it where it is stock), rather than the block's norm kind computed as a modulation by zero
       and negative zero (LTX-2's ``norm2``: ``n * (1 + 0) + (-0.0)`` is ``n`` exactly, signs of zeros included)."""
 
     once: bool
     rms: bool = False
+    zero_centered: bool = False
     affine_plain: bool = False
 
 
@@ -132,7 +135,7 @@ class Stream:
                 type(y) is torch.Tensor and y.shape == x.shape and y.dtype == x.dtype and y.device == x.device)):
             return self._unfused(gate, y, scale, shift, norm, norm_fits, float_y)
         row = self.row
-        g = g2 = s = s2 = h = h2 = eps = None
+        g = g2 = s = s2 = h = h2 = eps = weight = None
         if gate is not None:
             g, g2 = gate
         if norm is not None:
@@ -144,7 +147,9 @@ class Stream:
             else:
                 (s, s2), (h, h2) = scale, shift
             eps = norm.eps
-        outs = modulate_ops().prechecked(x, g, y, s, h, eps, once=row.once, rms=row.rms,
+            if row.zero_centered:
+                weight = norm.weight
+        outs = modulate_ops().prechecked(x, g, y, s, h, eps, once=row.once, rms=row.rms, norm_weight=weight,
                                          addends=(g2, s2, h2) if self.two else None)
         if y is not None:
             self.x = outs[0]

@@ -1,6 +1,7 @@
 """The ``krea2`` patch's replacement code, imported when the registry patches its first target.
 
-Its banner and declaration: ``patches/krea2.py``."""
+Its banner and declaration: ``patches/krea2.py``. The block's glue runs on the table-modulated block body
+(``patches/_table_modulated.py``)."""
 from __future__ import annotations
 
 import sys
@@ -12,13 +13,15 @@ from ..._core.lazy import lazy_module
 from ...ops._runtime.tiers import FLOAT_DTYPES
 from .._fused_common import _CALL_IMPL, _MODULE_CALL, FALLBACK, declined, fusable, linear, remembered, stock
 from .._modulate_calls import _rows_fit
+from .._table_modulated import Stream, Table
 
 _KREA2 = "diffusers.models.transformers.transformer_krea2"
 _BLOCK_NORMS = ("norm1", "norm2")
+#: Krea 2's glue on the table-modulated body: zero-centered RMSNorms, diffusers' rounding after each op.
+KREA2 = Table(once=False, zero_centered=True)
 _QK_NORMS = ("norm_q", "norm_k")
 
-#: The ops, imported at the first fused call (importing them registers torch.library ops).
-_modulate = lazy_module("torchpatches.ops._modulate")
+#: The op, imported at the first fused call (importing it registers torch.library ops).
 _swiglu = lazy_module("torchpatches.ops._swiglu")
 
 
@@ -118,7 +121,7 @@ def processor(self, attn, hidden_states, attention_mask=None, image_rotary_emb=N
 
 # ---- the block ----------------------------------------------------------------------------------------------
 
-def _feed_forward(ff: Any, y: torch.Tensor) -> torch.Tensor:
+def _feed_forward(y: torch.Tensor, ff: Any) -> torch.Tensor:
     """``ff(y)``; for a stock ``Krea2SwiGLU``, ``down(silu(gate(y)) * up(y))`` with the product in one kernel (the
     Linears called as :func:`linear` does: LoRA layers and hooked ones as modules)."""
     if not stock(ff, sys.modules[_KREA2].Krea2SwiGLU):
@@ -130,7 +133,7 @@ def _feed_forward(ff: Any, y: torch.Tensor) -> torch.Tensor:
     return linear(modules["down"], _swiglu().prechecked(gate, up))
 
 
-def _attend(attn: Any, y: torch.Tensor, attention_mask: Any, image_rotary_emb: Any) -> Any:
+def _attend(y: torch.Tensor, attn: Any, attention_mask: Any, image_rotary_emb: Any) -> Any:
     """``attn(y, attention_mask=..., image_rotary_emb=...)``; for a stock ``Krea2Attention`` (no hooks, torch's own
     call path) what its ``forward`` does without extra keyword arguments, ``processor(attn, y, mask, rope)``,
     without its per-call ``inspect.signature`` of the processor (nothing to filter). The block's target assumes
@@ -162,24 +165,13 @@ def block(self, hidden_states, temb, image_rotary_emb, attention_mask=None):
     if not _temb_fits(x, temb, table):
         return FALLBACK
     # diffusers 0.42.1 Krea2TransformerBlock.forward: modulation = temb.unflatten(-1, (6, -1)) + scale_shift_table,
-    # its six vectors summed in the kernels (prescale, preshift, pregate, postscale, postshift, postgate).
-    terms = temb.unflatten(-1, (6, -1)).unbind(-2)
-    rows = table.expand(x.shape[0], 1, *table.shape).unbind(-2)
-    ops = _modulate()
-    norm1, norm2 = self._modules["norm1"], self._modules["norm2"]
-    # (1.0 + prescale) * self.norm1(hidden_states) + preshift
-    y = ops.prechecked(x, None, None, terms[0], terms[1], norm1.eps, addends=(None, rows[0], rows[1]),
-                       norm_weight=norm1.weight)[0]
-    attn_out = _attend(self._modules["attn"], y, attention_mask, image_rotary_emb)
-    if not _rows_fit(x, attn_out):  # a processor that returns another form: diffusers' expression from here
-        pregate, postscale, postshift, postgate = (t + r for t, r in zip(terms[2:], rows[2:]))
-        x = x + pregate * attn_out
-        return x + postgate * self.ff((1.0 + postscale) * norm2(x) + postshift)
-    # hidden_states + pregate * attn_out; (1.0 + postscale) * self.norm2(hidden_states) + postshift
-    x, y = ops.prechecked(x, terms[2], attn_out, terms[3], terms[4], norm2.eps, addends=(rows[2], rows[3], rows[4]),
-                          norm_weight=norm2.weight)
-    ff_out = _feed_forward(self._modules["ff"], y)
-    if not _rows_fit(x, ff_out):
-        return x + (terms[5] + rows[5]) * ff_out
-    # hidden_states + postgate * ff_out
-    return ops.prechecked(x, terms[5], ff_out, None, None, None, addends=(rows[5], None, None))[0]
+    # its six vectors (prescale, preshift, pregate, postscale, postshift, postgate) summed in the kernels.
+    prescale, preshift, pregate, postscale, postshift, postgate = zip(
+        temb.unflatten(-1, (6, -1)).unbind(-2), table.expand(x.shape[0], 1, *table.shape).unbind(-2))
+    modules = self._modules
+    stream = Stream(KREA2, x)
+    y = stream.step(None, None, prescale, preshift, modules["norm1"])
+    attn_out = _attend(y, modules["attn"], attention_mask, image_rotary_emb)
+    y = stream.step(pregate, attn_out, postscale, postshift, modules["norm2"])
+    stream.step(postgate, _feed_forward(y, modules["ff"]))
+    return stream.x
