@@ -28,7 +28,7 @@ from diffusers.models import activations, normalization  # noqa: E402,F401  (the
 from diffusers.models.transformers import transformer_flux, transformer_flux2  # noqa: E402,F401
 from torchpatches._core import gates as _gates  # noqa: E402
 from torchpatches.ops import force_tier  # noqa: E402
-from torchpatches.patches._bodies import gate_residual  # noqa: E402
+from torchpatches.patches import _single_stream  # noqa: E402
 from harness import count_kernels, registry  # noqa: E402
 
 VERIFIED = "0.42.1"
@@ -798,11 +798,11 @@ def test_rope_tables_step_aside(table_calls: Dict[str, int]) -> None:
 def test_joined_is_a_view_only_for_adjacent_slices() -> None:
     whole = torch.randn(2, 7, 4)
     first, second = whole[:, :3], whole[:, 3:]
-    view = gate_residual.joined(first, second)
+    view = _single_stream.joined(first, second)
     assert torch.equal(view, whole) and view.data_ptr() == whole.data_ptr()
     a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 4)
-    assert torch.equal(gate_residual.joined(a, b), torch.cat([a, b], dim=1))
-    swapped = gate_residual.joined(second, first)
+    assert torch.equal(_single_stream.joined(a, b), torch.cat([a, b], dim=1))
+    swapped = _single_stream.joined(second, first)
     assert torch.equal(swapped, torch.cat([second, first], dim=1)) and swapped.data_ptr() != whole.data_ptr()
 
 
