@@ -1,11 +1,12 @@
 """One body for diffusers' single-stream blocks (text and image tokens in one sequence), with each model's
 differences as data.
 
-FLUX.1's ``FluxSingleTransformerBlock``, Chroma's ``ChromaSingleTransformerBlock`` and FLUX.2's
-``Flux2SingleTransformerBlock`` (diffusers 0.42.1) run the same stretch: the text and image tokens joined into one
-sequence (FLUX.1, FLUX.2), one LayerNorm + modulation, a parallel branch (the attention, and beside it an MLP whose
-output is concatenated to the attention's before ``proj_out``: FLUX.1, Chroma; FLUX.2's attention module does both
-itself), ``h + gate * branch`` clipped in fp16, and the sequence split back into text and image. A :class:`Single`
+FLUX.1's ``FluxSingleTransformerBlock``, Chroma's ``ChromaSingleTransformerBlock``, FLUX.2's
+``Flux2SingleTransformerBlock`` and FLUX.3's ``Flux3ModeTransformerBlock`` (diffusers 0.42.1) run the same stretch:
+the text and image tokens joined into one sequence (FLUX.1, FLUX.2), one LayerNorm + modulation, a parallel branch
+(the attention, and beside it an MLP whose output is concatenated to the attention's before ``proj_out``: FLUX.1,
+Chroma; or a feed-forward whose output is added to it: FLUX.3; FLUX.2's attention module does both itself),
+``h + gate * branch`` (clipped in fp16 but in FLUX.3), and the sequence split back into text and image. A :class:`Single`
 row says where they differ; :func:`single_stream` runs the stretch with every module call of diffusers' code (norm,
 attention, Linears: LoRA layers and hooks keep working), the concat into one buffer through the ``slices`` op and the
 residual through ``_modulate_calls``. The callers decide beforehand whether the call is theirs (each model's
@@ -23,7 +24,7 @@ import torch
 from .._core.lazy import lazy_module
 from ._double_stream import stock_processor
 from ._fused_common import FLOAT_DTYPES, linear, pattern_on
-from ._modulate_calls import modulated, residual
+from ._modulate_calls import _rows_fit, _vectors_fit, modulate_ops, modulated, residual
 
 #: ``torchpatches.ops.slices``, imported at the first fused call (it registers torch.library ops).
 _slices_ops = lazy_module("torchpatches.ops._slices")
@@ -33,19 +34,22 @@ class Single(NamedTuple):
     """How one diffusers 0.42.1 single-stream block differs from the others.
 
     - ``processor``: the (module, class) of the block's stock attention, whose processor the body may call as that
-      attention's ``forward`` would (:func:`stock_processor`);
+      attention's ``forward`` would (:func:`stock_processor`), else None: the module call (FLUX.3);
     - ``text_slot``: that processor takes ``encoder_hidden_states`` second (FluxAttnProcessor), not only
       ``(hidden_states, attention_mask, image_rotary_emb)`` (FLUX.2's parallel processor);
     - ``mlp``: the block's (MLP Linear, output Linear) around the attention: ``proj_out([attn | gelu(proj_mlp)])``
       (FLUX.1, Chroma); None: the attention's output is the branch (FLUX.2);
     - ``vectors``: the (module, class) whose ``split(temb, 1)[0]`` is the block's ``(shift, scale, gate)`` for its
       plain LayerNorm ``norm`` (FLUX.2's ``Flux2Modulation``); None: ``norm(x, emb=temb)`` returns
-      ``(normed, gate)`` (``AdaLayerNormZeroSingle``)."""
+      ``(normed, gate)`` (``AdaLayerNormZeroSingle``);
+    - ``ff``: the feed-forward beside the attention, ``h + gate * (attn + ff)`` in one kernel and never clipped
+      (FLUX.3's mode block), else None."""
 
-    processor: Tuple[str, str]
+    processor: Optional[Tuple[str, str]]
     text_slot: bool = True
     mlp: Optional[Tuple[str, str]] = ("proj_mlp", "proj_out")
     vectors: Optional[Tuple[str, str]] = None
+    ff: Optional[str] = None
 
 
 def joined(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
@@ -84,7 +88,7 @@ def _attention(row: Single, attn: Any, normed: torch.Tensor, attention: dict, kw
     """``attn(hidden_states=normed, **attention, **kwargs)``, the block's call in diffusers 0.42.1; where
     :func:`stock_processor` allows it, the call that attention's ``forward`` makes instead, without its signature
     lookup."""
-    processor = stock_processor(attn, *row.processor, kwargs)
+    processor = None if row.processor is None else stock_processor(attn, *row.processor, kwargs)
     if processor is not None:
         if row.text_slot:
             return processor(attn, normed, None, attention.get("attention_mask"), attention.get("image_rotary_emb"))
@@ -117,6 +121,14 @@ def _parallel(row: Single, modules: dict, normed: torch.Tensor, attention: dict,
     return linear(modules[proj_out], buf)
 
 
+def gated_sum(h: torch.Tensor, gate: torch.Tensor, attn_output: torch.Tensor, ff_output: torch.Tensor
+              ) -> torch.Tensor:
+    """``h + gate * (attn_output + ff_output)``: one kernel (the sum read from both branches) when everything fits."""
+    if _vectors_fit(h, gate) and _rows_fit(h, attn_output) and _rows_fit(h, ff_output):
+        return modulate_ops().prechecked(h, gate, attn_output, None, None, None, y2=ff_output)[0]
+    return residual(h, gate, attn_output + ff_output, clip=False)
+
+
 def single_stream(row: Single, block: Any, hidden_states: torch.Tensor, temb: Any, attention: dict,
                   joint_attention_kwargs: Optional[dict] = None, text: Optional[torch.Tensor] = None,
                   split: bool = False, text_seq_len: Optional[int] = None,
@@ -141,6 +153,8 @@ def single_stream(row: Single, block: Any, hidden_states: torch.Tensor, temb: An
         branch = _attention(row, modules["attn"], normed, attention, joint_attention_kwargs)
     else:
         branch = _parallel(row, modules, normed, attention, joint_attention_kwargs)
+    if row.ff is not None:
+        return gated_sum(hidden_states, gate, branch, modules[row.ff](normed))
     hidden_states = residual(hidden_states, gate, branch, clip=True)
     if split:
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]

@@ -11,7 +11,8 @@ import torch
 from ..._core.lazy import lazy_module
 from .._fused_common import (FALLBACK, FLOAT_DTYPES, declined, dropout, fusable, linear, plain_layer_norm,
                              remembered, stock)
-from .._modulate_calls import _rows_fit, _vectors_fit, modulate_ops, modulated, residual
+from .._modulate_calls import _vectors_fit, modulate_ops, modulated
+from .._single_stream import Single, gated_sum, single_stream
 from .qk_norm_rope import _attend, _projections_fit, _rotary_fits
 from .swiglu import _swiglu
 
@@ -20,6 +21,8 @@ swiglu = _swiglu
 
 _FLUX3 = "diffusers.models.transformers.transformer_flux3"
 _NORMS = ("norm_q", "norm_k")
+#: The mode block: ``h + gate * (attn + ff)`` of one modulated sequence, the attention called as a module.
+_MODE = Single(None, mlp=None, ff="ff")
 #: ``torchpatches.ops.qk_norm_rope``, imported at the first fused call (it registers torch.library ops).
 _qk_ops = lazy_module("torchpatches.ops._qk_norm_rope")
 
@@ -108,14 +111,6 @@ def _blocks_fit(self: Any, hidden_states: Any, *tensors: Any) -> bool:
             and all(type(t) is torch.Tensor and t.dim() == 3 for t in tensors))
 
 
-def _gated_sum(h: torch.Tensor, gate: torch.Tensor, attn_output: torch.Tensor, ff_output: torch.Tensor
-               ) -> torch.Tensor:
-    """``h + gate * (attn_output + ff_output)``: one kernel (the sum read from both branches) when everything fits."""
-    if _vectors_fit(h, gate) and _rows_fit(h, attn_output) and _rows_fit(h, ff_output):
-        return modulate_ops().prechecked(h, gate, attn_output, None, None, None, y2=ff_output)[0]
-    return residual(h, gate, attn_output + ff_output, clip=False)
-
-
 def _joint_modulated(norm: Any, text: torch.Tensor, image: torch.Tensor, vectors: tuple) -> Optional[torch.Tensor]:
     """``torch.cat([norm(text) * (1 + c_scale) + c_shift, norm(image) * (1 + scale) + shift], dim=1)``, each
     stream's kernel writing its rows of the joint buffer (no cat pass), or None where a tensor does not fit."""
@@ -139,9 +134,8 @@ def mode_block(self, hidden_states, temb_mod, image_rotary_emb, *args, **kwargs)
     # diffusers 0.42.1 Flux3ModeTransformerBlock.forward, the glue through the modulate op where it fits.
     mod_shift, mod_scale, mod_gate = torch.chunk(temb_mod, 3, dim=-1)
     norm_hidden_states = modulated(self.norm, hidden_states, mod_scale, mod_shift, fuse=True)
-    attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
-    ff_output = self.ff(norm_hidden_states)
-    return _gated_sum(hidden_states, mod_gate, attn_output, ff_output)
+    return single_stream(_MODE, self, hidden_states, None, {"image_rotary_emb": image_rotary_emb},
+                         modulation=(norm_hidden_states, mod_gate))
 
 
 def single_block(self, hidden_states, encoder_hidden_states, temb_mod, temb_mod_context, image_rotary_emb, *args,
@@ -165,8 +159,8 @@ def single_block(self, hidden_states, encoder_hidden_states, temb_mod, temb_mod_
     sizes = [encoder_hidden_states.shape[1], hidden_states.shape[1]]
     context_attn, content_attn = torch.split(attn_output, sizes, dim=1)
     context_ff, content_ff = torch.split(ff_output, sizes, dim=1)
-    encoder_hidden_states = _gated_sum(encoder_hidden_states, c_mod_gate, context_attn, context_ff)
-    hidden_states = _gated_sum(hidden_states, mod_gate, content_attn, content_ff)
+    encoder_hidden_states = gated_sum(encoder_hidden_states, c_mod_gate, context_attn, context_ff)
+    hidden_states = gated_sum(hidden_states, mod_gate, content_attn, content_ff)
     return encoder_hidden_states, hidden_states
 
 
