@@ -6,12 +6,12 @@ FLUX.1's ``FluxSingleTransformerBlock``, Chroma's ``ChromaSingleTransformerBlock
 the text and image tokens joined into one sequence (FLUX.1, FLUX.2), one LayerNorm + modulation, a parallel branch
 (the attention, and beside it an MLP whose output is concatenated to the attention's before ``proj_out``: FLUX.1,
 Chroma; or a feed-forward whose output is added to it: FLUX.3; FLUX.2's attention module does both itself),
-``h + gate * branch`` (clipped in fp16 but in FLUX.3), and the sequence split back into text and image. A :class:`Single`
-row says where they differ; :func:`single_stream` runs the stretch with every module call of diffusers' code (norm,
-attention, Linears: LoRA layers and hooks keep working), the concat into one buffer through the ``slices`` op and the
-residual through ``_modulate_calls``. The callers decide beforehand whether the call is theirs (each model's
-eligibility predicate) and may hand in the modulation where their model computes it its own way (Chroma's pruned
-vectors).
+``h + gate * branch`` (clipped in fp16 but in FLUX.3), and the sequence split back into text and image.
+A :class:`Single` row says where they differ; :func:`single_stream` runs the stretch with every module call of
+diffusers' code (norm, attention, Linears: LoRA layers and hooks keep working), the concat into one buffer through
+the ``slices`` op and the residual through ``_modulate_calls``. The callers decide beforehand whether the call is
+theirs (each model's eligibility predicate) and may hand in the modulation where their model computes it its own
+way (Chroma's pruned vectors, FLUX.3's chunks of ``temb_mod``).
 
 The body reads the block's submodules from ``block._modules`` (``nn.Module.__getattr__`` is a Python frame)."""
 from __future__ import annotations
