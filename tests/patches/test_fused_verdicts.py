@@ -45,7 +45,7 @@ def test_verdict_is_made_once_per_instance_and_signature(flux1, calls: Dict[str,
     model, inputs = flux1
     made = []
     real = _fused_common.plain_rms_norm
-    monkeypatch.setattr("torchpatches.patches._bodies.qk_norm_rope.plain_rms_norm",
+    monkeypatch.setattr("torchpatches.patches._joint_attention.plain_rms_norm",
                         lambda norm, x: made.append(norm) or real(norm, x))
     assert _qk_calls(model, inputs, calls) == ALL
     assert made == []  # remembered: no norm looked at again
@@ -84,20 +84,21 @@ def test_dtype_changed_by_to(flux1, calls: Dict[str, int]) -> None:
 def test_weight_of_another_shape_set_through_data(flux1, calls: Dict[str, int]) -> None:
     """``weight.data = ...`` keeps the parameter object: the remembered verdict must still see the new shape (the
     fused path hands the weight to the op's unchecked entry, whose kernel would read past its end)."""
-    from torchpatches.patches._bodies.qk_norm_rope import _norms_ok
+    from torchpatches.patches._bodies.qk_norm_rope import _FLUX1
+    from torchpatches.patches._joint_attention import _norms_fit
 
     model, inputs = flux1
     attn = model.single_transformer_blocks[0].attn
     weight = attn.norm_k.weight
     q = torch.randn(1, 4, attn.heads, attn.head_dim, device=weight.device)
-    assert _norms_ok(attn, q, False)
+    assert _norms_fit(_FLUX1, attn, q, ("norm_q", "norm_k"))
     kept = weight.data
     weight.data = torch.ones(attn.head_dim + 2, device=weight.device)
     try:
-        assert not _norms_ok(attn, q, False)
+        assert not _norms_fit(_FLUX1, attn, q, ("norm_q", "norm_k"))
     finally:
         weight.data = kept
-    assert _norms_ok(attn, q, False)
+    assert _norms_fit(_FLUX1, attn, q, ("norm_q", "norm_k"))
 
 
 def test_eps_set_to_none_after_the_verdict(flux1, calls: Dict[str, int]) -> None:
@@ -138,7 +139,7 @@ def test_training_mode_decides_again(flux1, calls: Dict[str, int], monkeypatch: 
     model, inputs = flux1
     made = []
     real = _fused_common.plain_rms_norm
-    monkeypatch.setattr("torchpatches.patches._bodies.qk_norm_rope.plain_rms_norm",
+    monkeypatch.setattr("torchpatches.patches._joint_attention.plain_rms_norm",
                         lambda norm, x: made.append(norm) or real(norm, x))
     model.train()
     assert _qk_calls(model, inputs, calls) == ALL  # nothing in these checks depends on it, but they ran again

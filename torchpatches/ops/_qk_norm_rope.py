@@ -281,10 +281,11 @@ def prechecked(q: torch.Tensor, k: Optional[torch.Tensor], cos: Optional[torch.T
                q_txt: Optional[torch.Tensor] = None, k_txt: Optional[torch.Tensor] = None,
                v_txt: Optional[torch.Tensor] = None, q_txt_weight: Optional[torch.Tensor] = None,
                k_txt_weight: Optional[torch.Tensor] = None, rounding: str = "once",
-               rope: str = "interleaved", k_repeat: int = 1, k_prefix: Optional[torch.Tensor] = None) -> tuple:
-    """:func:`qk_norm_rope` (text first; ``eps``: the four floats ``(q, k, q_txt, k_txt)``; ``rounding`` and
+               rope: str = "interleaved", k_repeat: int = 1, k_prefix: Optional[torch.Tensor] = None,
+               text_first: bool = True) -> tuple:
+    """:func:`qk_norm_rope` (text first unless ``text_first=False``; ``eps``: the four floats ``(q, k, q_txt, k_txt)``; ``rounding`` and
     ``rope`` as there, unchecked: one of ``ROUNDINGS`` / ``ROPES``)
-    for a caller that has made its checks: the FLUX ``qk_norm_rope`` pattern (``patches/qk_norm_rope``), which
+    for a caller that has made its checks: the joint-attention body (``patches/_joint_attention``), which
     takes this path only for plain tensors of one float dtype and device whose shapes fit, RoPE tables that fit
     (``[S_txt + S, D]`` there; ``[B or 1, S_txt + S, D]`` would work too, unchecked like the rest),
     stock RMSNorm weights, no expanded view, and nothing traced or transformed. Skipped: those checks (about
@@ -313,7 +314,7 @@ def prechecked(q: torch.Tensor, k: Optional[torch.Tensor], cos: Optional[torch.T
     tier = choose_tier(q.device.type, None, grad)
     outs = _impl(q, k, v, q_txt, k_txt, v_txt, q_weight.contiguous(), k_weight.contiguous() if k is not None else None,
                  q_txt_weight.contiguous() if joint else None, k_txt_weight.contiguous() if joint else None,
-                 eps, cos, sin, True, rounding, rope, tier, k_repeat, k_prefix)
+                 eps, cos, sin, text_first, rounding, rope, tier, k_repeat, k_prefix)
     return outs[0], outs[1], (outs[2] if len(outs) > 2 else v)
 
 

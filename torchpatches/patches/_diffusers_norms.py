@@ -8,13 +8,13 @@ HunyuanVideo 1.5 patterns.
 from __future__ import annotations
 
 import sys
-from typing import Any, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
 from ._fused_common import declined, remembered, stock
 
-__all__ = ["plain_diffusers_rms_norm", "diffusers_rms_norms_fit"]
+__all__ = ["plain_diffusers_rms_norm", "diffusers_rms_norms_fit", "norms_fit"]
 
 _NORMALIZATION = "diffusers.models.normalization"
 
@@ -33,14 +33,23 @@ def plain_diffusers_rms_norm(norm: Any, x: torch.Tensor) -> bool:
             and not normalization.is_torch_npu_available())
 
 
-def diffusers_rms_norms_fit(module: Any, x: torch.Tensor, names: Tuple[str, ...]) -> bool:
-    """The submodules ``names`` of ``module`` are :func:`plain_diffusers_rms_norm` for x: decided once per module
-    instance and x's dtype, device and width while they are the same objects in the same state (``remembered``)."""
+def norms_fit(module: Any, x: torch.Tensor, names: Tuple[str, ...], predicate: Callable[[Any, torch.Tensor], bool],
+              reason: Optional[str] = None) -> bool:
+    """``predicate(norm, x)`` holds for each submodule ``names`` of ``module``: decided once per module instance and
+    x's dtype, device and width while they are the same objects in the same state (``remembered``); ``reason`` told
+    to the observer where it does not."""
     def check() -> bool:
         modules = module._modules
-        return all(plain_diffusers_rms_norm(modules.get(name), x) for name in names)
+        return all(predicate(modules.get(name), x) for name in names)
 
     if remembered(module, (x.dtype, x.device, x.shape[-1]), check, names):
         return True
-    declined("a norm is not a stock diffusers RMSNorm with a weight of the input's dtype and no bias")
+    if reason is not None:
+        declined(reason)
     return False
+
+
+def diffusers_rms_norms_fit(module: Any, x: torch.Tensor, names: Tuple[str, ...]) -> bool:
+    """The submodules ``names`` of ``module`` are :func:`plain_diffusers_rms_norm` for x (:func:`norms_fit`)."""
+    return norms_fit(module, x, names, plain_diffusers_rms_norm,
+                     "a norm is not a stock diffusers RMSNorm with a weight of the input's dtype and no bias")

@@ -1,17 +1,20 @@
 """One body for diffusers' joint (image + text) attention processors, with each processor's differences as data.
 
-SD3's ``JointAttnProcessor2_0``, QwenImage's ``QwenDoubleStreamAttnProcessor2_0`` and HunyuanVideo 1.5's
-``HunyuanVideo15AttnProcessor2_0`` run the same stretch: project each stream (module calls: LoRA layers and hooks
-keep working), split heads, RMSNorm q and k of each stream (diffusers' ``RMSNorm``, rounding after each op), rotate
-(or not), concatenate the streams, attend, split the output and project each stream back. A :class:`Joint` row says
-where they differ; :func:`attend` runs the stretch with q/k norms, RoPE and the concat in one ``ops.qk_norm_rope``
-launch, and :func:`_diffusers_qkv` is diffusers' own code for that stretch when a tensor does not fit the op (a
+FLUX.1's ``FluxAttnProcessor``, FLUX.2's ``Flux2AttnProcessor`` (and the q/k stretch of its
+``Flux2ParallelSelfAttnProcessor``), SD3's ``JointAttnProcessor2_0``, QwenImage's ``QwenDoubleStreamAttnProcessor2_0``
+and HunyuanVideo 1.5's ``HunyuanVideo15AttnProcessor2_0`` run the same stretch: project each stream (module calls:
+LoRA layers and hooks keep working), split heads, RMSNorm q and k of each stream, rotate (or not), concatenate the
+streams, attend, split the output and project each stream back. A :class:`Joint` row says where they differ;
+:func:`attend` runs the stretch with q/k norms, RoPE and the concat in one ``ops.qk_norm_rope`` launch through its
+``prechecked`` entry (this module makes the op's checks, the norms' once per module: about 30 us of Python a call
+less), and :func:`_diffusers_qkv` is diffusers' own code for that stretch when a tensor does not fit the op (a
 projection that returned another dtype or shape, a hooked or replaced norm). The callers decide beforehand
 whether the call is theirs (the ``fusable`` predicates) and build the mask.
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -19,13 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from .._core.lazy import lazy_module
-from ._diffusers_norms import diffusers_rms_norms_fit
-from ._fused_common import declined, dropout, linear
+from ._diffusers_norms import norms_fit, plain_diffusers_rms_norm
+from ._fused_common import FLOAT_DTYPES, declined, dropout, linear, plain_rms_norm
 
 _per_step = lazy_module("torchpatches.patches._per_step")
+#: ``torchpatches.ops.qk_norm_rope``, imported at the first fused call (importing an op registers torch.library ops).
+_qk_ops = lazy_module("torchpatches.ops._qk_norm_rope")
+_tiers = lazy_module("torchpatches.ops._runtime.tiers")
 _NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
-_IMAGE_PROJ = ("to_q", "to_k", "to_v")
-_TEXT_PROJ = ("add_q_proj", "add_k_proj", "add_v_proj")
+_QK_NORMS = _NORMS[:2]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,39 +38,78 @@ class Joint:
     """How one diffusers 0.42.1 joint-attention processor differs from the others.
 
     - ``module``: the diffusers module whose globals the processor reads (``dispatch_attention_fn``, its RoPE);
-    - ``text_first``: the joint sequence is ``[text; image]`` (QwenImage) rather than ``[image; text]``;
-    - ``rope``: None (SD3), ``"complex"`` (QwenImage: a complex64 table per stream, ``apply_rotary_emb_qwen``) or
-      ``"image_rows"`` (HunyuanVideo 1.5: fp32 cos/sin of the image rows, FLUX's ``apply_rotary_emb``);
+    - ``text_first``: the joint sequence is ``[text; image]`` (FLUX, QwenImage) rather than ``[image; text]``;
+    - ``rope``: None (SD3), ``"complex"`` (QwenImage: a complex64 table per stream, ``apply_rotary_emb_qwen``),
+      ``"image_rows"`` (HunyuanVideo 1.5: fp32 cos/sin of the image rows, FLUX's ``apply_rotary_emb``) or
+      ``"joint_rows"`` (FLUX: fp32 ``[S_txt + S, D]`` cos/sin of every row, the module's ``apply_rotary_emb`` after
+      the concat; a single-stream call rotates all its rows);
     - ``head_split``: ``"view"`` (SD3: ``view(B, -1, H, D)`` with ``D = key width / heads``), ``"inner_dim"``
-      (QwenImage: ``unflatten(-1, (-1, inner_dim / heads))``) or ``"heads"`` (``unflatten(2, (heads, -1))``);
+      (QwenImage: ``unflatten(-1, (-1, inner_dim / heads))``), ``"head_dim"`` (FLUX: ``unflatten(-1, (-1,
+      head_dim))``) or ``"heads"`` (``unflatten(2, (heads, -1))``);
+    - ``rounding``: ``"each"`` (diffusers' ``RMSNorm``: ``x * rstd`` rounded, then ``* w``) or ``"once"``
+      (``torch.nn.RMSNorm``'s fused kernel: FLUX);
+    - ``flux_projections``: FLUX's projections: the module's ``_get_qkv_projections`` after
+      ``fuse_qkv_projections()``, the text projected only where ``attn.added_kv_proj_dim`` is set;
     - ``sdpa``: attention through ``F.scaled_dot_product_attention`` on ``[B, H, S, D]`` (SD3) rather than
       ``dispatch_attention_fn`` on ``[B, S, H, D]``;
-    - ``contiguous_out``: the output slices made contiguous before their projections (QwenImage);
-    - ``optional_out``: ``to_out`` / ``to_add_out`` applied only where present (HunyuanVideo 1.5), and
-      ``context_pre_only``: the text output unprojected where the module says so (SD3's last block)."""
+    - ``contiguous_out``: the output slices made contiguous before their projections (QwenImage, FLUX.1);
+    - ``optional_out``: ``to_out`` / ``to_add_out`` applied only where present (HunyuanVideo 1.5),
+      ``context_pre_only``: the text output unprojected where the module says so (SD3's last block), and
+      ``single_out``: a single-stream call's output projected (False: FLUX.1's single blocks, which have no to_out)."""
 
     module: str
     text_first: bool = False
     rope: Optional[str] = None
     head_split: str = "heads"
+    rounding: str = "each"
+    flux_projections: bool = False
     sdpa: bool = False
     contiguous_out: bool = False
     optional_out: bool = False
     context_pre_only: bool = False
+    single_out: bool = True
 
 
-def _split(joint: Joint, attn: Any, t: torch.Tensor, key_width: int) -> torch.Tensor:
+def _split(joint: Joint, attn: Any, tensors: List[torch.Tensor], key_width: int) -> List[torch.Tensor]:
+    """Each ``[B, S, H * D]`` projection as ``[B, S, H, D]``, split as the processor splits it."""
+    if joint.head_split == "head_dim":
+        sizes = (-1, attn.head_dim)
+        return [t.unflatten(-1, sizes) for t in tensors]
     if joint.head_split == "view":
-        return t.view(t.shape[0], -1, attn.heads, key_width // attn.heads)
+        heads = attn.heads
+        return [t.view(t.shape[0], -1, heads, key_width // heads) for t in tensors]
     if joint.head_split == "inner_dim":
-        return t.unflatten(-1, (-1, attn.inner_dim // attn.heads))
-    return t.unflatten(2, (attn.heads, -1))
+        sizes = (-1, attn.inner_dim // attn.heads)
+        return [t.unflatten(-1, sizes) for t in tensors]
+    sizes = (attn.heads, -1)
+    return [t.unflatten(2, sizes) for t in tensors]
+
+
+def _norms_fit(joint: Joint, attn: Any, x: torch.Tensor, names: Tuple[str, ...]) -> bool:
+    """The norms ``names`` of ``attn`` are what the op computes for x (``joint.rounding``), remembered per module."""
+    if joint.rounding == "once":
+        return norms_fit(attn, x, names, plain_rms_norm)
+    return norms_fit(attn, x, names, plain_diffusers_rms_norm,
+                     "a norm is not a stock diffusers RMSNorm with a weight of the input's dtype and no bias")
+
+
+def joint_rows_fit(rope: Any, q: torch.Tensor, rows: int) -> bool:
+    """FLUX's tables: fp32 ``(cos, sin)`` ``[rows, D]`` on q's device with a unit-stride last dim."""
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        return False
+    for t in rope:
+        if type(t) is not torch.Tensor or t.dtype != torch.float32 or t.device != q.device \
+                or tuple(t.shape) != (rows, q.shape[-1]) or t.stride(-1) != 1:
+            return False
+    return True
 
 
 def _tables(joint: Joint, rope: Any, q: torch.Tensor, s_txt: int) -> Optional[Tuple[Any, Any]]:
     """The op's (cos, sin) rows for the joint sequence, ``(None, None)`` without RoPE, None where they do not fit."""
     if joint.rope is None:
         return None, None
+    if joint.rope == "joint_rows":
+        return tuple(rope) if joint_rows_fit(rope, q, q.shape[1] + s_txt) else None
     if not isinstance(rope, (tuple, list)) or len(rope) != 2:
         return None
     if joint.rope == "complex":
@@ -77,6 +121,35 @@ def _tables(joint: Joint, rope: Any, q: torch.Tensor, s_txt: int) -> Optional[Tu
     return tables
 
 
+def group_fits(x: torch.Tensor, group: List[torch.Tensor]) -> bool:
+    """Each ``[B, S, H, D]`` tensor of a stream's q, k, v is a plain tensor of ``x``'s dtype and device, of one
+    shape, with ``x``'s batch, heads and head dim, and no expanded dim (two outputs in one place): what
+    ``ops.qk_norm_rope`` checks, checked here so that the body can call its ``prechecked`` entry."""
+    shape = group[0].shape
+    if len(shape) != 4 or shape[0] != x.shape[0] or shape[2:] != x.shape[2:]:
+        return False
+    for t in group:
+        if type(t) is not torch.Tensor or t.dtype != x.dtype or t.device != x.device or t.shape != shape:
+            return False
+        for size, stride in zip(t.shape, t.stride()):
+            if stride == 0 and size > 1:
+                return False
+    return True
+
+
+def _eps(*norms: Any) -> Optional[tuple]:
+    """The norms' eps as floats (read per call: not in the remembered state), None where one is not a number."""
+    eps = []
+    for norm in norms:
+        value = norm.eps
+        if type(value) is not float:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                return None
+            value = float(value)
+        eps.append(value)
+    return tuple(eps)
+
+
 def _fused_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch.Tensor],
                rope: Any) -> Optional[tuple]:
     """The joint q, k, v (``[B, S, H, D]``) from one ``qk_norm_rope`` launch, or None where a tensor does not fit.
@@ -86,31 +159,28 @@ def _fused_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch
     rotation where its vectorized loop does not reach (the CPU's scalar tail contracts ``a*c - b*d`` to an FMA;
     CUDA always does), so only diffusers' multiply on each stream's own tensor gives diffusers' bits."""
     q = img[0]
-    norms = _NORMS if txt else _NORMS[:2]
-    if any(type(t) is not torch.Tensor or t.dtype != q.dtype or t.dim() != 4 for t in img + txt) \
-            or (joint.rope is not None and q.shape[-1] % 2) or not diffusers_rms_norms_fit(attn, q, norms):
+    if type(q) is not torch.Tensor or q.dtype not in FLOAT_DTYPES or not group_fits(q, img) \
+            or (txt and not group_fits(q, txt)) or (joint.rope is not None and q.shape[-1] % 2):
+        return None
+    names = _NORMS if txt else _QK_NORMS
+    if not _norms_fit(joint, attn, q, names):
         return None
     s_txt = txt[0].shape[1] if txt else 0
     tables = _tables(joint, rope, q, s_txt)
-    if tables is None:
+    modules = attn._modules  # the norms, read from the dict (Module.__getattr__ costs a microsecond a lookup)
+    norm_q, norm_k = modules["norm_q"], modules["norm_k"]
+    norm_qt, norm_kt = (modules["norm_added_q"], modules["norm_added_k"]) if txt else (norm_q, norm_k)
+    eps = _eps(norm_q, norm_k, norm_qt, norm_kt) if tables is not None else None
+    if eps is None:
         return None
-    from ..ops._qk_norm_rope import qk_norm_rope  # lazily: importing an op registers torch.library ops
-    from ..ops._runtime.tiers import choose_tier
-
-    tier = choose_tier(q.device.type, None)  # never under autograd: fusable() leaves such calls to diffusers
-    own_rotation = joint.rope == "complex" and tier == "torch"
+    own_rotation = joint.rope == "complex" and _tiers().choose_tier(q.device.type, None) == "torch"
     text = {}
     if txt:
-        text = dict(q_txt=txt[0], k_txt=txt[1], v_txt=txt[2], q_txt_weight=attn.norm_added_q.weight,
-                    k_txt_weight=attn.norm_added_k.weight, eps_q_txt=attn.norm_added_q.eps,
-                    eps_k_txt=attn.norm_added_k.eps)
-    try:
-        q, k, v = qk_norm_rope(img[0], img[1], *((None, None) if own_rotation else tables),
-                               q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight, eps_q=attn.norm_q.eps,
-                               eps_k=attn.norm_k.eps, v=img[2], text_first=joint.text_first, rounding="each",
-                               tier=tier, **text)
-    except ValueError:  # a forced tier that cannot run, shapes the op refuses: checked before computing
-        return None
+        text = dict(v=img[2], q_txt=txt[0], k_txt=txt[1], v_txt=txt[2], q_txt_weight=norm_qt._parameters["weight"],
+                    k_txt_weight=norm_kt._parameters["weight"])
+    q, k, v = _qk_ops().prechecked(q, img[1], *((None, None) if own_rotation else tables),
+                                   norm_q._parameters["weight"], norm_k._parameters["weight"], eps,
+                                   rounding=joint.rounding, text_first=joint.text_first, **text)
     if own_rotation:
         module, (img_freqs, txt_freqs) = sys.modules[joint.module], rope
 
@@ -119,7 +189,7 @@ def _fused_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch
                               module.apply_rotary_emb_qwen(t[:, s_txt:], img_freqs, use_real=False)], dim=1)
 
         q, k = rotate(q), rotate(k)
-    return q, k, v
+    return q, k, (v if txt else img[2])
 
 
 def _diffusers_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch.Tensor], rope: Any) -> tuple:
@@ -138,14 +208,28 @@ def _diffusers_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[t
         from diffusers.models.embeddings import apply_rotary_emb  # as diffusers imports it, per call
 
         img[0], img[1] = (apply_rotary_emb(t, rope, sequence_dim=1) for t in img[:2])
-    if not txt:
-        return tuple(img)
-    first, second = (txt, img) if joint.text_first else (img, txt)
-    return tuple(torch.cat([a, b], dim=1) for a, b in zip(first, second))
+    joined = img
+    if txt:
+        first, second = (txt, img) if joint.text_first else (img, txt)
+        joined = [torch.cat([a, b], dim=1) for a, b in zip(first, second)]
+    if joint.rope == "joint_rows":  # FLUX: after the concat, every row, through the module's global
+        apply_rotary_emb = sys.modules[joint.module].apply_rotary_emb
+        joined[0], joined[1] = (apply_rotary_emb(t, rope, sequence_dim=1) for t in joined[:2])
+    return tuple(joined)
 
 
-def _attention(joint: Joint, processor: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: Optional[torch.Tensor]) -> torch.Tensor:
+def qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch.Tensor], rope: Any) -> tuple:
+    """The joint ``[B, S, H, D]`` q, k, v of a stream's projections ``img`` (and ``txt``: the text stream's, or
+    empty): heads split, q and k normalized and rotated, the streams concatenated."""
+    key_width = img[1].shape[-1] if joint.head_split == "view" else 0
+    img = _split(joint, attn, img, key_width)
+    txt = _split(joint, attn, txt, key_width) if txt else txt
+    fused = _fused_qkv(joint, attn, img, txt, rope)
+    return fused if fused is not None else _diffusers_qkv(joint, attn, img, txt, rope)
+
+
+def attention(joint: Joint, processor: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Attention over ``[B, S, H, D]`` q, k, v as the processor calls it, ``[B, S, H * D]`` in q's dtype."""
     if joint.sdpa:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -158,6 +242,8 @@ def _attention(joint: Joint, processor: Any, q: torch.Tensor, k: torch.Tensor, v
 
 
 def _project_out(joint: Joint, attn: Any, image: torch.Tensor, text: Optional[torch.Tensor]) -> Any:
+    if text is None and not joint.single_out:
+        return image
     if joint.contiguous_out:
         image = image.contiguous()
         text = text.contiguous() if text is not None else None
@@ -172,25 +258,36 @@ def _project_out(joint: Joint, attn: Any, image: torch.Tensor, text: Optional[to
     return image if text is None else (image, text)
 
 
+def _projections(joint: Joint, attn: Any, hidden_states: torch.Tensor,
+                 encoder_hidden_states: Optional[torch.Tensor]) -> Tuple[list, list]:
+    """Each stream's q, k, v projections (the text's empty where it has none), each a module call."""
+    texts = encoder_hidden_states is not None
+    if joint.flux_projections:
+        texts = texts and attn.added_kv_proj_dim is not None
+        if attn.fused_projections:
+            projected = sys.modules[joint.module]._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+            return list(projected[:3]), list(projected[3:]) if texts else []
+    img = [linear(attn.to_q, hidden_states), linear(attn.to_k, hidden_states), linear(attn.to_v, hidden_states)]
+    if not texts:
+        return img, []
+    return img, [linear(attn.add_q_proj, encoder_hidden_states), linear(attn.add_k_proj, encoder_hidden_states),
+                 linear(attn.add_v_proj, encoder_hidden_states)]
+
+
 def attend(joint: Joint, processor: Any, attn: Any, hidden_states: torch.Tensor,
            encoder_hidden_states: Optional[torch.Tensor], rope: Any = None,
            mask: Callable[[int, torch.dtype], Optional[torch.Tensor]] = lambda rows, dtype: None) -> Any:
     """The processor's output for a call its body covers: ``image`` or ``(image, text)`` as the processor returns
     them. ``mask(joint_rows, dtype)`` builds the attention mask once q is known (None: none)."""
-    image_rows = hidden_states.shape[1]
-    projected = [linear(getattr(attn, name), hidden_states) for name in _IMAGE_PROJ]
-    key_width = projected[1].shape[-1]
-    img = [_split(joint, attn, t, key_width) for t in projected]
-    txt: List[torch.Tensor] = []
-    if encoder_hidden_states is not None:
-        txt = [_split(joint, attn, linear(getattr(attn, name), encoder_hidden_states), key_width)
-               for name in _TEXT_PROJ]
-    qkv = _fused_qkv(joint, attn, img, txt, rope)
-    q, k, v = qkv if qkv is not None else _diffusers_qkv(joint, attn, img, txt, rope)
-    out = _attention(joint, processor, q, k, v, mask(q.shape[1], q.dtype))
-    if not txt:
+    q, k, v = qkv(joint, attn, *_projections(joint, attn, hidden_states, encoder_hidden_states), rope)
+    out = attention(joint, processor, q, k, v, mask(q.shape[1], q.dtype))
+    if encoder_hidden_states is None:
         return _project_out(joint, attn, out, None)
-    s_txt = txt[0].shape[1]
+    # The processors' slices, as one call (each slice is an op of its own: a microsecond or two of host time)
     if joint.text_first:
-        return _project_out(joint, attn, out[:, s_txt:], out[:, :s_txt])
-    return _project_out(joint, attn, out[:, :image_rows], out[:, image_rows:])
+        s_txt = encoder_hidden_states.shape[1]
+        text, image = out.split_with_sizes([s_txt, out.shape[1] - s_txt], dim=1)
+    else:
+        image_rows = hidden_states.shape[1]
+        image, text = out.split_with_sizes([image_rows, out.shape[1] - image_rows], dim=1)
+    return _project_out(joint, attn, image, text)

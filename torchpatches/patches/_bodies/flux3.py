@@ -9,11 +9,11 @@ from typing import Any, Optional
 import torch
 
 from ..._core.lazy import lazy_module
-from .._fused_common import (FALLBACK, FLOAT_DTYPES, declined, dropout, fusable, linear, plain_layer_norm,
-                             remembered, stock)
+from .._diffusers_norms import norms_fit
+from .._fused_common import FALLBACK, FLOAT_DTYPES, declined, dropout, fusable, linear, plain_layer_norm, stock
+from .._joint_attention import Joint, attention, group_fits, joint_rows_fit
 from .._modulate_calls import _vectors_fit, modulate_ops, modulated
 from .._single_stream import Single, gated_sum, single_stream
-from .qk_norm_rope import _attend, _projections_fit, _rotary_fits
 from .swiglu import _swiglu
 
 #: ``Flux3SwiGLU.forward`` is FLUX.2's (copied; the same fingerprint): the swiglu pattern's body.
@@ -23,6 +23,8 @@ _FLUX3 = "diffusers.models.transformers.transformer_flux3"
 _NORMS = ("norm_q", "norm_k")
 #: The mode block: ``h + gate * (attn + ff)`` of one modulated sequence, the attention called as a module.
 _MODE = Single(None, mlp=None, ff="ff")
+#: Flux3AttnProcessor's attention call: FLUX's (``dispatch_attention_fn`` of its module, flatten, q's dtype).
+_ATTENTION = Joint(_FLUX3)
 #: ``torchpatches.ops.qk_norm_rope``, imported at the first fused call (it registers torch.library ops).
 _qk_ops = lazy_module("torchpatches.ops._qk_norm_rope")
 
@@ -39,15 +41,9 @@ def _fp32_chain_norm(norm: Any, x: torch.Tensor) -> bool:
 
 
 def _norms_fit(attn: Any, x: torch.Tensor) -> bool:
-    """Both q/k norms fit the chain: decided once per attention module and x's signature (``remembered``)."""
-    def check() -> bool:
-        modules = attn._modules
-        return all(_fp32_chain_norm(modules.get(name), x) for name in _NORMS)
-
-    if remembered(attn, (x.dtype, x.device, x.shape[-1]), check, _NORMS):
-        return True
-    declined("a q/k norm is not a stock torch.nn.RMSNorm with a float weight of the head's width")
-    return False
+    """Both q/k norms fit the chain: decided once per attention module and x's signature (``norms_fit``)."""
+    return norms_fit(attn, x, _NORMS, _fp32_chain_norm,
+                     "a q/k norm is not a stock torch.nn.RMSNorm with a float weight of the head's width")
 
 
 def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -55,9 +51,9 @@ def _fused_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     """``(q, k)`` normalized in fp32, rotated and rounded once (``ops.qk_norm_rope``, ``rounding="fp32"``), or None
     where a tensor does not fit (the caller then runs diffusers' code)."""
     if any(type(t) is not torch.Tensor for t in (query, key, value)) or query.dtype not in FLOAT_DTYPES \
-            or query.shape[-1] % 2 or not _projections_fit(query, (query, key, value)):
+            or query.shape[-1] % 2 or not group_fits(query, (query, key, value)):
         return None
-    if not _rotary_fits(image_rotary_emb, query, query.shape[1]):
+    if not joint_rows_fit(image_rotary_emb, query, query.shape[1]):
         declined("image_rotary_emb is not fp32 (cos, sin) [S, D] on the input's device")
         return None
     if not _norms_fit(attn, query):
@@ -100,7 +96,7 @@ def processor(self, attn, hidden_states, attention_mask=None, image_rotary_emb=N
     else:
         query, key = qk
 
-    hidden_states = _attend(self, query, key, value, attention_mask, module)  # FLUX's call, flatten, .to(q's dtype)
+    hidden_states = attention(_ATTENTION, self, query, key, value, attention_mask)
     return dropout(attn.to_out[1], linear(attn.to_out[0], hidden_states))
 
 
