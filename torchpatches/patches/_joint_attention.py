@@ -1,8 +1,9 @@
 """One body for diffusers' joint (image + text) attention processors, with each processor's differences as data.
 
 FLUX.1's ``FluxAttnProcessor``, FLUX.2's ``Flux2AttnProcessor`` (and the q/k stretch of its
-``Flux2ParallelSelfAttnProcessor``), SD3's ``JointAttnProcessor2_0``, QwenImage's ``QwenDoubleStreamAttnProcessor2_0``
-and HunyuanVideo 1.5's ``HunyuanVideo15AttnProcessor2_0`` run the same stretch: project each stream (module calls:
+``Flux2ParallelSelfAttnProcessor``), SD3's ``JointAttnProcessor2_0``, QwenImage's ``QwenDoubleStreamAttnProcessor2_0``,
+HunyuanVideo 1.5's ``HunyuanVideo15AttnProcessor2_0`` and the single-stream Z-Image ``ZSingleStreamAttnProcessor``
+and Ideogram 4 ``Ideogram4AttnProcessor`` run the same stretch: project each stream (module calls:
 LoRA layers and hooks keep working), split heads, RMSNorm q and k of each stream, rotate (or not), concatenate the
 streams, attend, split the output and project each stream back. A :class:`Joint` row says where they differ;
 :func:`attend` runs the stretch with q/k norms, RoPE and the concat in one ``ops.qk_norm_rope`` launch through its
@@ -31,6 +32,8 @@ _qk_ops = lazy_module("torchpatches.ops._qk_norm_rope")
 _tiers = lazy_module("torchpatches.ops._runtime.tiers")
 _NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 _QK_NORMS = _NORMS[:2]
+#: The complex RoPE forms, which the PyTorch tier rotates with diffusers' own complex multiply (``_fused_qkv``).
+_COMPLEX = ("complex", "complex_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +43,15 @@ class Joint:
     - ``module``: the diffusers module whose globals the processor reads (``dispatch_attention_fn``, its RoPE);
     - ``text_first``: the joint sequence is ``[text; image]`` (FLUX, QwenImage) rather than ``[image; text]``;
     - ``rope``: None (SD3), ``"complex"`` (QwenImage: a complex64 table per stream, ``apply_rotary_emb_qwen``),
-      ``"image_rows"`` (HunyuanVideo 1.5: fp32 cos/sin of the image rows, FLUX's ``apply_rotary_emb``) or
+      ``"image_rows"`` (HunyuanVideo 1.5: fp32 cos/sin of the image rows, FLUX's ``apply_rotary_emb``),
       ``"joint_rows"`` (FLUX: fp32 ``[S_txt + S, D]`` cos/sin of every row, the module's ``apply_rotary_emb`` after
-      the concat; a single-stream call rotates all its rows);
+      the concat; a single-stream call rotates all its rows), ``"complex_batch"`` (Z-Image: complex64 ``[B, S, D/2]``,
+      the processor's nested complex multiply) or ``"half_each"`` (Ideogram 4: ``(cos, sin)`` ``[B, S, D]`` of the
+      activations' dtype, half-split pairs, each op rounding);
     - ``head_split``: ``"view"`` (SD3: ``view(B, -1, H, D)`` with ``D = key width / heads``), ``"inner_dim"``
       (QwenImage: ``unflatten(-1, (-1, inner_dim / heads))``), ``"head_dim"`` (FLUX: ``unflatten(-1, (-1,
-      head_dim))``) or ``"heads"`` (``unflatten(2, (heads, -1))``);
+      head_dim))``), ``"num_heads"`` (Ideogram 4: ``unflatten(-1, (num_heads, head_dim))``) or ``"heads"``
+      (``unflatten(2, (heads, -1))``);
     - ``rounding``: ``"each"`` (diffusers' ``RMSNorm``: ``x * rstd`` rounded, then ``* w``) or ``"once"``
       (``torch.nn.RMSNorm``'s fused kernel: FLUX);
     - ``flux_projections``: FLUX's projections: the module's ``_get_qkv_projections`` after
@@ -55,7 +61,8 @@ class Joint:
     - ``contiguous_out``: the output slices made contiguous before their projections (QwenImage, FLUX.1);
     - ``optional_out``: ``to_out`` / ``to_add_out`` applied only where present (HunyuanVideo 1.5),
       ``context_pre_only``: the text output unprojected where the module says so (SD3's last block), and
-      ``single_out``: a single-stream call's output projected (False: FLUX.1's single blocks, which have no to_out)."""
+      ``single_out``: a single-stream call's output projected (False: FLUX.1's single blocks, which have no to_out),
+      ``out_dropout``: ``to_out[1]`` applied after ``to_out[0]`` where present (not by Ideogram 4)."""
 
     module: str
     text_first: bool = False
@@ -68,6 +75,7 @@ class Joint:
     optional_out: bool = False
     context_pre_only: bool = False
     single_out: bool = True
+    out_dropout: bool = True
 
 
 def _split(joint: Joint, attn: Any, tensors: List[torch.Tensor], key_width: int) -> List[torch.Tensor]:
@@ -80,6 +88,9 @@ def _split(joint: Joint, attn: Any, tensors: List[torch.Tensor], key_width: int)
         return [t.view(t.shape[0], -1, heads, key_width // heads) for t in tensors]
     if joint.head_split == "inner_dim":
         sizes = (-1, attn.inner_dim // attn.heads)
+        return [t.unflatten(-1, sizes) for t in tensors]
+    if joint.head_split == "num_heads":
+        sizes = (attn.num_heads, attn.head_dim)
         return [t.unflatten(-1, sizes) for t in tensors]
     sizes = (attn.heads, -1)
     return [t.unflatten(2, sizes) for t in tensors]
@@ -104,12 +115,45 @@ def joint_rows_fit(rope: Any, q: torch.Tensor, rows: int) -> bool:
     return True
 
 
+def _complex_batch_tables(freqs: Any, q: torch.Tensor) -> Optional[Tuple[Any, Any]]:
+    """Z-Image's complex64 ``[B, S, D/2]`` frequencies as the op's fp32 tables, None where they do not fit."""
+    tables = _per_step().complex_tables(freqs, q.shape[1], q.shape[-1], q.device)
+    if tables is None:
+        declined("freqs_cis is not complex64 [B, S, D/2] of the sequence's length")
+        return None
+    return tables if tables[0].dim() == 2 or tables[0].shape[0] in (1, q.shape[0]) else None
+
+
+def _half_tables_fit(rope: Any, q: torch.Tensor) -> bool:
+    """Ideogram 4's ``(cos, sin)``: plain ``[B, L, D]`` tensors of q's dtype and device (the model casts them), with
+    a unit-stride last dim."""
+    if not isinstance(rope, tuple) or len(rope) != 2:
+        return False
+    shape = (q.shape[0], q.shape[1], q.shape[3])
+    return all(type(t) is torch.Tensor and t.dtype == q.dtype and t.device == q.device and tuple(t.shape) == shape
+               and t.stride(-1) == 1 for t in rope)
+
+
+def _rotate_complex(x_in: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 ``ZSingleStreamAttnProcessor``'s nested ``apply_rotary_emb`` (autocast is off here)."""
+    x = torch.view_as_complex(x_in.float().reshape(*x_in.shape[:-1], -1, 2))
+    x_out = torch.view_as_real(x * freqs_cis.unsqueeze(2)).flatten(3)
+    return x_out.type_as(x_in)
+
+
 def _tables(joint: Joint, rope: Any, q: torch.Tensor, s_txt: int) -> Optional[Tuple[Any, Any]]:
     """The op's (cos, sin) rows for the joint sequence, ``(None, None)`` without RoPE, None where they do not fit."""
     if joint.rope is None:
         return None, None
     if joint.rope == "joint_rows":
         return tuple(rope) if joint_rows_fit(rope, q, q.shape[1] + s_txt) else None
+    if joint.rope == "complex_batch":
+        return _complex_batch_tables(rope, q)
+    if joint.rope == "half_each":
+        if _half_tables_fit(rope, q):
+            return rope
+        declined("image_rotary_emb is not (cos, sin) [B, L, D] of the activations' dtype")
+        return None
     if not isinstance(rope, (tuple, list)) or len(rope) != 2:
         return None
     if joint.rope == "complex":
@@ -173,15 +217,18 @@ def _fused_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch
     eps = _eps(norm_q, norm_k, norm_qt, norm_kt) if tables is not None else None
     if eps is None:
         return None
-    own_rotation = joint.rope == "complex" and _tiers().choose_tier(q.device.type, None) == "torch"
+    own_rotation = joint.rope in _COMPLEX and _tiers().choose_tier(q.device.type, None) == "torch"
     text = {}
     if txt:
         text = dict(v=img[2], q_txt=txt[0], k_txt=txt[1], v_txt=txt[2], q_txt_weight=norm_qt._parameters["weight"],
                     k_txt_weight=norm_kt._parameters["weight"])
     q, k, v = _qk_ops().prechecked(q, img[1], *((None, None) if own_rotation else tables),
                                    norm_q._parameters["weight"], norm_k._parameters["weight"], eps,
-                                   rounding=joint.rounding, text_first=joint.text_first, **text)
-    if own_rotation:
+                                   rounding=joint.rounding, rope="half_each" if joint.rope == "half_each" else "interleaved",
+                                   text_first=joint.text_first, **text)
+    if own_rotation and joint.rope == "complex_batch":
+        q, k = _rotate_complex(q, rope), _rotate_complex(k, rope)
+    elif own_rotation:
         module, (img_freqs, txt_freqs) = sys.modules[joint.module], rope
 
         def rotate(t: torch.Tensor) -> torch.Tensor:  # diffusers' four calls and its concat
@@ -204,6 +251,12 @@ def _diffusers_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[t
         module, (img_freqs, txt_freqs) = sys.modules[joint.module], rope
         for stream, freqs in ((img, img_freqs), (txt, txt_freqs)):
             stream[0], stream[1] = (module.apply_rotary_emb_qwen(t, freqs, use_real=False) for t in stream[:2])
+    elif joint.rope == "complex_batch":
+        img[0], img[1] = _rotate_complex(img[0], rope), _rotate_complex(img[1], rope)
+    elif joint.rope == "half_each":  # Ideogram 4's processor
+        rotate_half, (cos, sin) = sys.modules[joint.module]._rotate_half, rope
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        img[0], img[1] = ((t * cos) + (rotate_half(t) * sin) for t in img[:2])
     elif joint.rope == "image_rows" and rope is not None:
         from diffusers.models.embeddings import apply_rotary_emb  # as diffusers imports it, per call
 
@@ -253,7 +306,7 @@ def _project_out(joint: Joint, attn: Any, image: torch.Tensor, text: Optional[to
     to_out = getattr(attn, "to_out", None)
     if to_out is not None or not joint.optional_out:
         image = linear(to_out[0], image)
-        if len(to_out) > 1:
+        if joint.out_dropout and len(to_out) > 1:
             image = dropout(to_out[1], image)
     return image if text is None else (image, text)
 
