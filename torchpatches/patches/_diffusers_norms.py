@@ -3,7 +3,8 @@
 diffusers' own ``normalization.RMSNorm`` (not ``torch.nn.RMSNorm``: ``_fused_common.plain_rms_norm``) rounds
 ``x * rstd`` to the weight's dtype before multiplying by the weight; the ops' "each" rounding is that, for a weight
 of the activations' dtype and no bias, on its non-NPU path. Used by the SD3, QwenImage, Z-Image / Ideogram 4 and
-HunyuanVideo 1.5 patterns.
+HunyuanVideo 1.5 patterns. :func:`norms_fit` is the remembered check itself, with any predicate (FLUX's and
+Kandinsky 6's ``torch.nn.RMSNorm``, FLUX.3's fp32 chain).
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def plain_diffusers_rms_norm(norm: Any, x: torch.Tensor) -> bool:
 def norms_fit(module: Any, x: torch.Tensor, names: Tuple[str, ...], predicate: Callable[[Any, torch.Tensor], bool],
               reason: Optional[str] = None) -> bool:
     """``predicate(norm, x)`` holds for each submodule ``names`` of ``module``: decided once per module instance and
-    x's dtype, device and width while they are the same objects in the same state (``remembered``); ``reason`` told
-    to the observer where it does not."""
+    x's dtype, device and width while they are the same objects in the same state (``remembered``: one predicate per
+    module and ``names``, the verdict's key holds none); ``reason`` told to the observer where it does not."""
     def check() -> bool:
         modules = module._modules
         return all(predicate(modules.get(name), x) for name in names)

@@ -9,7 +9,8 @@ from typing import Any, Optional, Tuple
 import torch
 
 from ..._core.lazy import lazy_module
-from .._fused_common import FALLBACK, declined, fusable, linear, plain_layer_norm, remembered, stock
+from .._diffusers_norms import norms_fit
+from .._fused_common import FALLBACK, declined, fusable, linear, plain_layer_norm, stock
 from .._modulate_calls import _rows_fit, _vectors_fit, modulate_ops
 from .._per_step import _PerSource, _versions
 
@@ -179,9 +180,7 @@ def _normed(attn: Any, query: torch.Tensor, key: torch.Tensor, rope_q: Any, rope
     if not (query.dim() == 4 and key.dim() == 4 and key.dtype == query.dtype and key.shape[-1] == D
             and key.shape[0] == query.shape[0] and (D % 2 == 0 or (rope_q is None and rope_k is None))):
         return None
-    if not remembered(attn, ("kandinsky6", query.dtype, query.device, D),
-                      lambda: _weight_fits(attn.query_norm, query) and _weight_fits(attn.key_norm, query),
-                      ("query_norm", "key_norm")):
+    if not norms_fit(attn, query, ("query_norm", "key_norm"), _weight_fits):
         return None
     tq, tk = _tables_for(rope_q, query), _tables_for(rope_k, key)
     if tq is None or tk is None:
