@@ -198,8 +198,8 @@ def _fused_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch
                rope: Any) -> Optional[tuple]:
     """The joint q, k, v (``[B, S, H, D]``) from one ``qk_norm_rope`` launch, or None where a tensor does not fit.
 
-    For QwenImage's complex RoPE the PyTorch tier has the op normalize and concatenate only and rotates each
-    stream with diffusers' own complex multiply: torch rounds a complex product differently from the real-form
+    For the complex RoPE forms (QwenImage, Z-Image) the PyTorch tier has the op normalize and concatenate only and
+    rotates with diffusers' own complex multiply: torch rounds a complex product differently from the real-form
     rotation where its vectorized loop does not reach (the CPU's scalar tail contracts ``a*c - b*d`` to an FMA;
     CUDA always does), so only diffusers' multiply on each stream's own tensor gives diffusers' bits."""
     q = img[0]
@@ -222,10 +222,10 @@ def _fused_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch
     if txt:
         text = dict(v=img[2], q_txt=txt[0], k_txt=txt[1], v_txt=txt[2], q_txt_weight=norm_qt._parameters["weight"],
                     k_txt_weight=norm_kt._parameters["weight"])
+    form = "half_each" if joint.rope == "half_each" else "interleaved"
     q, k, v = _qk_ops().prechecked(q, img[1], *((None, None) if own_rotation else tables),
                                    norm_q._parameters["weight"], norm_k._parameters["weight"], eps,
-                                   rounding=joint.rounding, rope="half_each" if joint.rope == "half_each" else "interleaved",
-                                   text_first=joint.text_first, **text)
+                                   rounding=joint.rounding, rope=form, text_first=joint.text_first, **text)
     if own_rotation and joint.rope == "complex_batch":
         q, k = _rotate_complex(q, rope), _rotate_complex(k, rope)
     elif own_rotation:
