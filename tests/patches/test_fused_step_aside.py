@@ -305,3 +305,22 @@ def test_training_gets_diffusers_code(which: str, calls: Dict[str, int]) -> None
         model.requires_grad_(False)
     assert got.requires_grad and torch.equal(got.detach(), ref.detach())
     assert not calls, dict(calls)
+
+
+@pytest.mark.parametrize("name", ["flux1", "flux2", "sd3"])
+def test_a_removed_q_norm_fails_or_runs_as_diffusers_does(name: str) -> None:
+    """``attn.norm_q = None``: FLUX's processors call their norms unconditionally (a TypeError there), SD3's skip a
+    None norm; the shared attention body's fallback stretch does what each one does."""
+    model, inputs = tiny(name, torch.float32)
+    model.transformer_blocks[0].attn.norm_q = None
+    outcomes = []
+    for context in (torchpatches.disabled(), force_tier("torch")):
+        with context:
+            try:
+                outcomes.append(run(model, inputs))
+            except TypeError as error:
+                outcomes.append(type(error))
+    if name == "sd3":
+        assert torch.equal(outcomes[0], outcomes[1])
+    else:
+        assert outcomes == [TypeError, TypeError]

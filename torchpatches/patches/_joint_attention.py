@@ -242,7 +242,8 @@ def _fused_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch
 def _diffusers_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch.Tensor], rope: Any) -> tuple:
     """diffusers 0.42.1's code for the same stretch: each stream's norms (where present), its rotation, the concat."""
     def normed(t: torch.Tensor, norm: Any) -> torch.Tensor:
-        return norm(t) if norm is not None else t
+        # FLUX's processors (torch.nn.RMSNorm, "once") call their norms unconditionally: None raises, as there
+        return norm(t) if norm is not None or joint.rounding == "once" else t
 
     img = [normed(img[0], attn.norm_q), normed(img[1], attn.norm_k), img[2]]
     if txt:
