@@ -174,3 +174,25 @@ def test_zimage_omni_per_token_modulation(tier: str, calls: Dict[str, int]) -> N
         assert torch.equal(out, ref)
     else:
         _close(out, ref)
+
+
+def test_ideogram4_mask_made_additive_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ideogram 4's boolean block-diagonal mask goes to SDPA as the additive mask SDPA would make of it, built once
+    for every block of the step (native backend), again after an in-place write; the output is diffusers'."""
+    from torchpatches.patches import _per_step
+
+    built = []
+    real = _per_step.additive_mask
+    monkeypatch.setattr(_per_step, "additive_mask", lambda *args: built.append(real(*args)) or built[-1])
+    model, inputs = tiny("ideogram4", torch.bfloat16)
+    ref = reverted(model, inputs)
+    with force_tier("torch"):
+        out = run(model, inputs)
+    assert torch.equal(out, ref)
+    assert len(built) == 2 and built[0] is built[1] and built[0].dtype == torch.bfloat16
+    mask = torch.tensor([[True, False], [True, True]])
+    first = _per_step.additive_mask(mask, torch.float32)
+    assert _per_step.additive_mask(mask, torch.float32) is first
+    mask[0, 1] = True
+    again = _per_step.additive_mask(mask, torch.float32)
+    assert again is not first and torch.equal(again, torch.zeros(2, 2))

@@ -328,6 +328,18 @@ def _projections(joint: Joint, attn: Any, hidden_states: torch.Tensor,
                  linear(attn.add_v_proj, encoder_hidden_states)]
 
 
+def native_backend(processor: Any) -> bool:
+    """The call goes to diffusers' native backend (``torch.nn.functional.scaled_dot_product_attention``, which turns a
+    boolean mask into an additive one in every call) without context parallelism."""
+    if processor._parallel_config is not None:
+        return False
+    backend = processor._attention_backend
+    if backend is None:
+        registry = sys.modules["diffusers.models.attention_dispatch"]._AttentionBackendRegistry
+        backend = registry.get_active_backend()[0]
+    return getattr(backend, "value", backend) == "native"
+
+
 def attend(joint: Joint, processor: Any, attn: Any, hidden_states: torch.Tensor,
            encoder_hidden_states: Optional[torch.Tensor], rope: Any = None,
            mask: Callable[[int, torch.dtype], Optional[torch.Tensor]] = lambda rows, dtype: None) -> Any:

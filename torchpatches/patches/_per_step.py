@@ -25,7 +25,7 @@ from typing import Any, Optional, Tuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["rope_tables", "joint_mask", "complex_tables", "square_mask", "image_rows_tables"]
+__all__ = ["rope_tables", "joint_mask", "complex_tables", "square_mask", "additive_mask", "image_rows_tables"]
 
 class _PerSource:
     """Results cached per source tensor: weakly keyed (an entry lives as long as its source), rebuilt when the key
@@ -62,7 +62,7 @@ class _PerSource:
         return result
 
 
-_TABLES, _MASKS, _COMPLEX, _SQUARE, _IMAGE_ROWS = (_PerSource() for _ in range(5))
+_TABLES, _MASKS, _COMPLEX, _SQUARE, _IMAGE_ROWS, _ADDITIVE = (_PerSource() for _ in range(6))
 
 
 def _versions(*tensors: torch.Tensor) -> Optional[Tuple[int, ...]]:
@@ -162,6 +162,18 @@ def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torc
         line = torch.where(mask, keep, float("-inf"))
         square = line.view(batch_size, 1, seq_len, 1) + line.view(batch_size, 1, 1, seq_len)
     return _SQUARE.put(attention_mask, key, square)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask SDPA makes of a boolean ``mask`` in every call (ATen's ``convert_boolean_attn_mask``:
+    zeros of ``dtype``, ``-inf`` where False), made once per mask tensor, its version and ``dtype``: Ideogram 4
+    builds one ``[B, 1, S, S]`` mask per step and hands it to every block."""
+    key = _with(_versions(mask), dtype)
+    additive = _ADDITIVE.get(mask, key)
+    if additive is None:
+        additive = _ADDITIVE.put(mask, key, torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(),
+                                                                                             float("-inf")))
+    return additive
 
 
 def image_rows_tables(cos: Any, sin: Any, text_rows: int, device: torch.device

@@ -3,14 +3,11 @@
 Its banner and declaration: ``patches/hunyuanvideo15.py``."""
 from __future__ import annotations
 
-import sys
-from typing import Any
-
 import torch
 
 from ..._core.lazy import lazy_module
 from .._fused_common import FALLBACK, fusable
-from .._joint_attention import Joint, attend
+from .._joint_attention import Joint, attend, native_backend
 from .._double_stream import Double, double_stream
 
 _per_step = lazy_module("torchpatches.patches._per_step")
@@ -22,23 +19,11 @@ _HUNYUAN15 = Joint("diffusers.models.transformers.transformer_hunyuan_video15", 
 _BLOCK = Double(fuse=True, image_first=True)
 
 
-def _native(processor: Any) -> bool:
-    """The call goes to diffusers' native backend (``torch.nn.functional.scaled_dot_product_attention``, which turns a
-    boolean mask into an additive one in every call) without context parallelism."""
-    if processor._parallel_config is not None:
-        return False
-    backend = processor._attention_backend
-    if backend is None:
-        registry = sys.modules["diffusers.models.attention_dispatch"]._AttentionBackendRegistry
-        backend = registry.get_active_backend()[0]
-    return getattr(backend, "value", backend) == "native"
-
-
 def processor(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None):
     if not (encoder_hidden_states is not None and type(attention_mask) is torch.Tensor and attention_mask.dim() == 2
             and fusable(hidden_states, (attn,), encoder_hidden_states) and hidden_states.dim() == 3):
         return FALLBACK
-    native = _native(self)
+    native = native_backend(self)
     return attend(_HUNYUAN15, self, attn, hidden_states, encoder_hidden_states, image_rotary_emb,
                   lambda rows, dtype: _per_step().square_mask(attention_mask, rows, dtype if native else None))
 

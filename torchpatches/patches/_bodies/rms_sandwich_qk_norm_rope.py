@@ -3,8 +3,13 @@
 Its banner and declaration: ``patches/rms_sandwich_qk_norm_rope.py``."""
 from __future__ import annotations
 
+import torch
+
+from ..._core.lazy import lazy_module
 from .._fused_common import FALLBACK, fusable
-from .._joint_attention import Joint, attend
+from .._joint_attention import Joint, attend, native_backend
+
+_per_step = lazy_module("torchpatches.patches._per_step")
 
 #: ZSingleStreamAttnProcessor: one stream, diffusers' RMSNorm per head, complex64 RoPE per sample [B, S, D/2].
 _ZIMAGE = Joint("diffusers.models.transformers.transformer_z_image", rope="complex_batch")
@@ -24,4 +29,9 @@ def zimage(self, attn, hidden_states, encoder_hidden_states=None, attention_mask
 def ideogram4(self, attn, hidden_states, attention_mask, image_rotary_emb):
     if not (fusable(hidden_states, (attn,)) and hidden_states.dim() == 3):
         return FALLBACK
-    return attend(_IDEOGRAM4, self, attn, hidden_states, None, image_rotary_emb, lambda rows, dtype: attention_mask)
+    mask = attention_mask
+    if type(mask) is torch.Tensor and mask.dtype == torch.bool and native_backend(self):
+        # the block-diagonal [B, 1, S, S] mask of the step, made additive once rather than by SDPA in every block
+        return attend(_IDEOGRAM4, self, attn, hidden_states, None, image_rotary_emb,
+                      lambda rows, dtype: _per_step().additive_mask(mask, dtype))
+    return attend(_IDEOGRAM4, self, attn, hidden_states, None, image_rotary_emb, lambda rows, dtype: mask)
