@@ -138,6 +138,11 @@ def complex_tables(freqs: Any, rows: int, head_dim: int, device: torch.device
     return tables[0], tables[1]
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ATen's ``convert_boolean_attn_mask``, exactly, in one pass: +0 of ``dtype`` where ``mask``, else ``-inf``."""
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), float("-inf"))
+
+
 def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """diffusers 0.42.1 ``HunyuanVideo15AttnProcessor2_0``'s ``[B, 1, S, S]`` self-attention mask from the text mask
     ``[B, L]`` (padded in front to S), built once per mask tensor and length instead of once per block (at 480p, 121
@@ -157,9 +162,8 @@ def square_mask(attention_mask: torch.Tensor, seq_len: int, dtype: Optional[torc
     rows, columns = mask.view(batch_size, 1, seq_len, 1), mask.view(batch_size, 1, 1, seq_len)
     if dtype is None:
         square = rows & columns
-    else:  # ATen's convert_boolean_attn_mask, exactly
-        keep = torch.zeros((), dtype=dtype, device=mask.device)
-        line = torch.where(mask, keep, float("-inf"))
+    else:
+        line = _additive(mask, dtype)
         square = line.view(batch_size, 1, seq_len, 1) + line.view(batch_size, 1, 1, seq_len)
     return _SQUARE.put(attention_mask, key, square)
 
@@ -171,8 +175,7 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     key = _with(_versions(mask), dtype)
     additive = _ADDITIVE.get(mask, key)
     if additive is None:
-        additive = _ADDITIVE.put(mask, key, torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(),
-                                                                                             float("-inf")))
+        additive = _ADDITIVE.put(mask, key, _additive(mask, dtype))
     return additive
 
 
