@@ -87,3 +87,25 @@ def test_fingerprint_of_a_decorated_function_covers_the_wrapper_too(make_module)
 def test_fingerprint_of_builtin_raises_type_error():
     with pytest.raises(TypeError):
         _gates.fingerprint(len)
+
+
+def test_a_verified_source_is_not_compiled_again_until_its_file_changes(make_module, monkeypatch):
+    """``disabled()`` and ``apply()`` fingerprint every target on each switch: the second fingerprint of the same
+    running code reuses the first verification; an edit on disk is read and verified again, and fails."""
+    import importlib
+    import os
+    from pathlib import Path
+
+    module = importlib.import_module(make_module("def f(x):\n    return x + 1\n"))
+    first = _gates.fingerprint(module.f)
+    compiled = []
+    real = _gates._compiles_to
+    monkeypatch.setattr(_gates, "_compiles_to", lambda *args: compiled.append(args) or real(*args))
+    assert _gates.fingerprint(module.f) == first and compiled == []
+    path = Path(module.__file__)
+    stamp = os.stat(path)
+    path.write_text("def f(x):\n    return x + 2\n")
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000))
+    with pytest.raises(_gates.SourceMismatch):
+        _gates.fingerprint(module.f)
+    assert len(compiled) == 1
