@@ -82,7 +82,7 @@ def test_triton_tier_matches_torch_tier_and_float64(case: Dict[str, Any]) -> Non
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_tier_equals_wans_processor_stretch(dtype: torch.dtype) -> None:
     """RMSNorm modules over the full width + WanAttnProcessor's nested apply_rotary_emb, bit for bit."""
-    from torchpatches.patches._bodies.wan_qk_norm_rope import _apply_rotary_emb  # a copy of diffusers' nested function
+    from torchpatches.patches._joint_attention import _rotate_wan as _apply_rotary_emb  # a copy of diffusers' nested function
 
     g = torch.Generator().manual_seed(3)
     q, k = ((torch.randn(1, 5, 3 * 8, generator=g) * 2).to(dtype) for _ in range(2))
@@ -108,11 +108,11 @@ def test_nested_rope_copy_is_diffusers_code() -> None:
     import textwrap
 
     from diffusers.models.transformers import transformer_wan
-    from torchpatches.patches._bodies import wan_qk_norm_rope
+    from torchpatches.patches import _joint_attention
 
     call = transformer_wan.WanAttnProcessor.__call__
     original = inspect.getsource(getattr(call, "__torchpatches_original__", call))  # the patch may be applied
-    body = textwrap.dedent(inspect.getsource(wan_qk_norm_rope._apply_rotary_emb)).splitlines()[2:]
+    body = textwrap.dedent(inspect.getsource(_joint_attention._rotate_wan)).splitlines()[2:]
     assert all(line.strip() in original for line in body)
 
 

@@ -315,3 +315,14 @@ def test_ti2v_per_token_vectors_are_never_materialized(tier: str, dtype: torch.d
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row", [dict(norm_span="inner"), dict(norm_span="inner", rope="joint_rows"),
+                                 dict(rope="wan_rows"), dict(norm_span="heads")])
+def test_the_joint_body_refuses_a_row_that_mixes_wans_norm_and_another_rope(row) -> None:
+    """Norms across heads (``rms_norm_rope``) rotate with Wan's rows only; a row that pairs them otherwise would run
+    one family's rotation on another's tables."""
+    from torchpatches.patches._joint_attention import Joint
+
+    with pytest.raises(ValueError, match="norm_span"):
+        Joint("diffusers.models.transformers.transformer_wan", **row)

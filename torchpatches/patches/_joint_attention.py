@@ -2,13 +2,13 @@
 
 FLUX.1's ``FluxAttnProcessor``, FLUX.2's ``Flux2AttnProcessor`` (and the q/k stretch of its
 ``Flux2ParallelSelfAttnProcessor``), SD3's ``JointAttnProcessor2_0``, QwenImage's ``QwenDoubleStreamAttnProcessor2_0``,
-HunyuanVideo 1.5's ``HunyuanVideo15AttnProcessor2_0`` and the single-stream Z-Image ``ZSingleStreamAttnProcessor``
-and Ideogram 4 ``Ideogram4AttnProcessor`` run the same stretch: project each stream (module calls:
-LoRA layers and hooks keep working), split heads, RMSNorm q and k of each stream, rotate (or not), concatenate the
-streams, attend, split the output and project each stream back. A :class:`Joint` row says where they differ;
+HunyuanVideo 1.5's ``HunyuanVideo15AttnProcessor2_0``, the single-stream Z-Image ``ZSingleStreamAttnProcessor``
+and Ideogram 4 ``Ideogram4AttnProcessor``, and Wan's ``WanAttnProcessor`` (self- and cross-attention) run the same
+stretch: project each stream (module calls: LoRA layers and hooks keep working), split heads, RMSNorm q and k of
+each stream, rotate (or not), concatenate the streams, attend, split the output and project each stream back. A :class:`Joint` row says where they differ;
 :func:`attend` runs the stretch with q/k norms, RoPE and the concat in one ``ops.qk_norm_rope`` launch through its
 ``prechecked`` entry (this module makes the op's checks, the norms' once per module: about 30 us of Python a call
-less), and :func:`_diffusers_qkv` is diffusers' own code for that stretch when a tensor does not fit the op (a
+less), or, where the norms span all heads (Wan), in one ``ops.rms_norm_rope`` launch; and :func:`_diffusers_qkv` is diffusers' own code for that stretch when a tensor does not fit the op (a
 projection that returned another dtype or shape, a hooked or replaced norm). The callers decide beforehand
 whether the call is theirs (the ``fusable`` predicates) and build the mask.
 """
@@ -30,6 +30,8 @@ _per_step = lazy_module("torchpatches.patches._per_step")
 #: ``torchpatches.ops.qk_norm_rope``, imported at the first fused call (importing an op registers torch.library ops).
 _qk_ops = lazy_module("torchpatches.ops._qk_norm_rope")
 _tiers = lazy_module("torchpatches.ops._runtime.tiers")
+#: ``torchpatches.ops.rms_norm_rope`` (norms across heads), imported at the first fused call, as above.
+_across_ops = lazy_module("torchpatches.ops._rms_norm_rope")
 _NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 _QK_NORMS = _NORMS[:2]
 #: The complex RoPE forms, which the PyTorch tier rotates with diffusers' own complex multiply (``_fused_qkv``).
@@ -62,7 +64,13 @@ class Joint:
     - ``optional_out``: ``to_out`` / ``to_add_out`` applied only where present (HunyuanVideo 1.5),
       ``context_pre_only``: the text output unprojected where the module says so (SD3's last block), and
       ``single_out``: a single-stream call's output projected (False: FLUX.1's single blocks, which have no to_out),
-      ``out_dropout``: ``to_out[1]`` applied after ``to_out[0]`` where present (not by Ideogram 4)."""
+      ``out_dropout``: ``to_out[1]`` applied after ``to_out[0]`` where present (not by Ideogram 4);
+    - ``norm_span``: ``"head"`` (q and k normalized per head after the split) or ``"inner"`` (Wan's
+      ``rms_norm_across_heads``: ``torch.nn.RMSNorm`` over ``[B, S, H * D]`` before the split, then rope
+      ``"wan_rows"``: fp32 ``(cos, sin)`` ``[1, S, 1, D]``, interleaved pairs, rotated after the split);
+    - ``kv_from_context``: a call with context states is cross-attention (Wan): q from the image, k and v from the
+      context (the module's ``_get_qkv_projections``), the image's output only, and diffusers' context parallelism
+      handed to self-attention alone (the context is not split)."""
 
     module: str
     text_first: bool = False
@@ -76,6 +84,13 @@ class Joint:
     context_pre_only: bool = False
     single_out: bool = True
     out_dropout: bool = True
+    norm_span: str = "head"
+    kv_from_context: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.norm_span == "inner") != (self.rope == "wan_rows") or self.norm_span not in ("head", "inner"):
+            raise ValueError(f"norm_span {self.norm_span!r} with rope {self.rope!r}: norms across heads ('inner') "
+                             "go with Wan's rows ('wan_rows'), and only they do")
 
 
 def _split(joint: Joint, attn: Any, tensors: List[torch.Tensor], key_width: int) -> List[torch.Tensor]:
@@ -272,9 +287,50 @@ def _diffusers_qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[t
     return tuple(joined)
 
 
+def _across_heads_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, rope: Any) -> Optional[tuple]:
+    """q and k ``[B, S, H * D]`` normalized over their width (and rotated) by one ``ops.rms_norm_rope`` launch, or
+    None where a tensor does not fit the op."""
+    if not (type(query) is torch.Tensor and type(key) is torch.Tensor and query.dim() == 3 and key.dim() == 3
+            and plain_rms_norm(attn.norm_q, query) and plain_rms_norm(attn.norm_k, key)):
+        return None
+    cos = sin = None
+    if rope is not None:
+        cos, sin = (t[0, :, 0] for t in rope)  # [S, head_dim] views
+    try:
+        return _across_ops().rms_norm_rope(query, key, q_weight=attn.norm_q.weight, k_weight=attn.norm_k.weight,
+                                           eps_q=attn.norm_q.eps, eps_k=attn.norm_k.eps, cos=cos, sin=sin)
+    except ValueError:  # e.g. a projection returned another dtype or width; the op checks before it computes
+        return None
+
+
+def _rotate_wan(hidden_states: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    # diffusers 0.42.1 WanAttnProcessor.__call__'s nested apply_rotary_emb (used when the op does not fit)
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+def _across_heads_qkv(joint: Joint, attn: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      rope: Any) -> tuple:
+    """Wan's stretch (``norm_span="inner"``): the norms over all heads, the split, the rotation; fused where it fits,
+    else diffusers 0.42.1's code."""
+    qk = _across_heads_qk(attn, query, key, rope)
+    query, key = (attn.norm_q(query), attn.norm_k(key)) if qk is None else qk
+    query, key, value = _split(joint, attn, [query, key, value], 0)
+    if qk is None and rope is not None:
+        query, key = _rotate_wan(query, *rope), _rotate_wan(key, *rope)
+    return query, key, value
+
+
 def qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch.Tensor], rope: Any) -> tuple:
     """The joint ``[B, S, H, D]`` q, k, v of a stream's projections ``img`` (and ``txt``: the text stream's, or
     empty): heads split, q and k normalized and rotated, the streams concatenated."""
+    if joint.norm_span == "inner":
+        return _across_heads_qkv(joint, attn, *img, rope)
     key_width = img[1].shape[-1] if joint.head_split == "view" else 0
     img = _split(joint, attn, img, key_width)
     txt = _split(joint, attn, txt, key_width) if txt else txt
@@ -283,15 +339,16 @@ def qkv(joint: Joint, attn: Any, img: List[torch.Tensor], txt: List[torch.Tensor
 
 
 def attention(joint: Joint, processor: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Attention over ``[B, S, H, D]`` q, k, v as the processor calls it, ``[B, S, H * D]`` in q's dtype."""
+              mask: Optional[torch.Tensor], parallel: bool = True) -> torch.Tensor:
+    """Attention over ``[B, S, H, D]`` q, k, v as the processor calls it, ``[B, S, H * D]`` in q's dtype;
+    ``parallel``: with the processor's context-parallel config (if any)."""
     if joint.sdpa:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              dropout_p=0.0, is_causal=False)
         return out.transpose(1, 2).reshape(q.shape[0], -1, q.shape[2] * q.shape[3]).to(q.dtype)
     out = sys.modules[joint.module].dispatch_attention_fn(
         q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, backend=processor._attention_backend,
-        parallel_config=processor._parallel_config)
+        parallel_config=processor._parallel_config if parallel else None)
     return out.flatten(2, 3).to(q.dtype)
 
 
@@ -315,6 +372,8 @@ def _project_out(joint: Joint, attn: Any, image: torch.Tensor, text: Optional[to
 def _projections(joint: Joint, attn: Any, hidden_states: torch.Tensor,
                  encoder_hidden_states: Optional[torch.Tensor]) -> Tuple[list, list]:
     """Each stream's q, k, v projections (the text's empty where it has none), each a module call."""
+    if joint.kv_from_context:  # Wan: the context is k and v's input in cross-attention
+        return list(sys.modules[joint.module]._get_qkv_projections(attn, hidden_states, encoder_hidden_states)), []
     texts = encoder_hidden_states is not None
     if joint.flux_projections:
         texts = texts and attn.added_kv_proj_dim is not None
@@ -346,8 +405,10 @@ def attend(joint: Joint, processor: Any, attn: Any, hidden_states: torch.Tensor,
     """The processor's output for a call its body covers: ``image`` or ``(image, text)`` as the processor returns
     them. ``mask(joint_rows, dtype)`` builds the attention mask once q is known (None: none)."""
     q, k, v = qkv(joint, attn, *_projections(joint, attn, hidden_states, encoder_hidden_states), rope)
-    out = attention(joint, processor, q, k, v, mask(q.shape[1], q.dtype))
-    if encoder_hidden_states is None:
+    self_attention = encoder_hidden_states is None
+    out = attention(joint, processor, q, k, v, mask(q.shape[1], q.dtype),
+                    parallel=self_attention or not joint.kv_from_context)
+    if self_attention or joint.kv_from_context:
         return _project_out(joint, attn, out, None)
     # The processors' slices, as one call (each slice is an op of its own: a microsecond or two of host time)
     if joint.text_first:
