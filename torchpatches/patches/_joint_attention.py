@@ -5,12 +5,13 @@ FLUX.1's ``FluxAttnProcessor``, FLUX.2's ``Flux2AttnProcessor`` (and the q/k str
 HunyuanVideo 1.5's ``HunyuanVideo15AttnProcessor2_0``, the single-stream Z-Image ``ZSingleStreamAttnProcessor``
 and Ideogram 4 ``Ideogram4AttnProcessor``, and Wan's ``WanAttnProcessor`` (self- and cross-attention) run the same
 stretch: project each stream (module calls: LoRA layers and hooks keep working), split heads, RMSNorm q and k of
-each stream, rotate (or not), concatenate the streams, attend, split the output and project each stream back. A :class:`Joint` row says where they differ;
-:func:`attend` runs the stretch with q/k norms, RoPE and the concat in one ``ops.qk_norm_rope`` launch through its
-``prechecked`` entry (this module makes the op's checks, the norms' once per module: about 30 us of Python a call
-less), or, where the norms span all heads (Wan), in one ``ops.rms_norm_rope`` launch; and :func:`_diffusers_qkv` is diffusers' own code for that stretch when a tensor does not fit the op (a
-projection that returned another dtype or shape, a hooked or replaced norm). The callers decide beforehand
-whether the call is theirs (the ``fusable`` predicates) and build the mask.
+each stream, rotate (or not), concatenate the streams, attend, split the output and project each stream back.
+A :class:`Joint` row says where they differ; :func:`attend` runs the stretch with q/k norms, RoPE and the concat in
+one ``ops.qk_norm_rope`` launch through its ``prechecked`` entry (this module makes the op's checks, the norms' once
+per module: about 30 us of Python a call less), or, where the norms span all heads (Wan), in one
+``ops.rms_norm_rope`` launch; and :func:`_diffusers_qkv` is diffusers' own code for that stretch when a tensor does
+not fit the op (a projection that returned another dtype or shape, a hooked or replaced norm). The callers decide
+beforehand whether the call is theirs (the ``fusable`` predicates) and build the mask.
 """
 from __future__ import annotations
 
