@@ -3,7 +3,6 @@
 Each helper takes the vectors as diffusers holds them (``[B, D]`` chunks in FLUX.1, ``[B, 1, D]`` in
 FLUX.2, ``[B, S, D]`` in FLUX.2's KV-cache blend) and runs the fused op when every tensor fits
 (same dtype and device as ``x``, plain tensors), else exactly the expression diffusers evaluates.
-``modulated_once`` is the other rounding mode: Wan's fp32 compute, rounded once (``.type_as``).
 
 What the helpers check before they fuse is everything the op's public entries check (with ``fusable`` and
 ``steps_aside`` in the pattern that calls them), so they call ``ops.prechecked``, which skips the
@@ -58,14 +57,6 @@ def modulated(norm: Any, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
     if fuse and _vectors_fit(x, scale, shift) and plain_layer_norm(norm, x.shape[-1]):
         return modulate_ops().prechecked(x, None, None, scale, shift, norm.eps)[0]
     return norm(x) * (1 + _token_dim(scale)) + _token_dim(shift)
-
-
-def modulated_once(norm: Any, norm_cls: type, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
-                   ) -> torch.Tensor:
-    """Wan's ``(norm(x.float()) * (1 + scale) + shift).type_as(x)``: one kernel when everything fits."""
-    if _vectors_fit(x, scale, shift, rounding="once") and plain_layer_norm(norm, x.shape[-1], norm_cls):
-        return modulate_ops().prechecked(x, None, None, scale, shift, norm.eps, once=True)[0]
-    return (norm(x.float()) * (1 + _token_dim(scale)) + _token_dim(shift)).type_as(x)
 
 
 def residual(h: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, *, clip: bool) -> torch.Tensor:
