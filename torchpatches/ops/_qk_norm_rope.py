@@ -283,8 +283,8 @@ def prechecked(q: torch.Tensor, k: Optional[torch.Tensor], cos: Optional[torch.T
                k_txt_weight: Optional[torch.Tensor] = None, rounding: str = "once",
                rope: str = "interleaved", k_repeat: int = 1, k_prefix: Optional[torch.Tensor] = None,
                text_first: bool = True) -> tuple:
-    """:func:`qk_norm_rope` (text first unless ``text_first=False``; ``eps``: the four floats ``(q, k, q_txt, k_txt)``; ``rounding`` and
-    ``rope`` as there, unchecked: one of ``ROUNDINGS`` / ``ROPES``)
+    """:func:`qk_norm_rope` (text first unless ``text_first=False``; ``eps``: the four floats ``(q, k, q_txt,
+    k_txt)``; ``rounding`` and ``rope`` as there, unchecked: one of ``ROUNDINGS`` / ``ROPES``)
     for a caller that has made its checks: the joint-attention body (``patches/_joint_attention``), which
     takes this path only for plain tensors of one float dtype and device whose shapes fit, RoPE tables that fit
     (``[S_txt + S, D]`` there; ``[B or 1, S_txt + S, D]`` would work too, unchecked like the rest),

@@ -16,7 +16,6 @@ beforehand whether the call is theirs (the ``fusable`` predicates) and build the
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -24,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from .._core.lazy import lazy_module
+from ..ops._runtime.args import number
+from ..ops._runtime.memory import expanded
 from ._diffusers_norms import norms_fit, plain_diffusers_rms_norm
 from ._fused_common import FLOAT_DTYPES, declined, dropout, linear, plain_rms_norm
 
@@ -189,11 +190,9 @@ def group_fits(x: torch.Tensor, group: List[torch.Tensor]) -> bool:
     if len(shape) != 4 or shape[0] != x.shape[0] or shape[2:] != x.shape[2:]:
         return False
     for t in group:
-        if type(t) is not torch.Tensor or t.dtype != x.dtype or t.device != x.device or t.shape != shape:
+        if type(t) is not torch.Tensor or t.dtype != x.dtype or t.device != x.device or t.shape != shape \
+                or expanded(t):
             return False
-        for size, stride in zip(t.shape, t.stride()):
-            if stride == 0 and size > 1:
-                return False
     return True
 
 
@@ -203,9 +202,10 @@ def _eps(*norms: Any) -> Optional[tuple]:
     for norm in norms:
         value = norm.eps
         if type(value) is not float:
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            try:
+                value = number(value, "eps")  # the ops' own rule for a number
+            except ValueError:
                 return None
-            value = float(value)
         eps.append(value)
     return tuple(eps)
 

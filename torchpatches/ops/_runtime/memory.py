@@ -20,15 +20,19 @@ import torch
 from ..._core.compat import is_compiling
 from .tiers import transforms_active
 
-__all__ = ["check_no_overlap", "check_inplace", "check_writable", "check_out", "elements_distinct",
+__all__ = ["expanded", "check_no_overlap", "check_inplace", "check_writable", "check_out", "elements_distinct",
            "may_share_elements"]
 
 
+def expanded(x: torch.Tensor) -> bool:
+    """An expanded view (stride 0 on a dim of size > 1): written to, several outputs would land in one place."""
+    strides = x.stride()
+    return 0 in strides and any(stride == 0 and size > 1 for size, stride in zip(x.shape, strides))
+
+
 def check_no_overlap(x: torch.Tensor, name: str) -> None:
-    # An expanded tensor (stride 0 on a dim of size > 1) would have several outputs in one place.
-    for size, stride in zip(x.shape, x.stride()):
-        if stride == 0 and size > 1:
-            raise ValueError(f"{name} has overlapping memory (an expanded view, stride 0); "
+    if expanded(x):
+        raise ValueError(f"{name} has overlapping memory (an expanded view, stride 0); "
                              "pass a tensor that owns its elements (e.g. .contiguous())")
 
 
